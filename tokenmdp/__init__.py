@@ -1,0 +1,19 @@
+"""tokenmdp: the estimator theory of RL for language models, exact and runnable.
+
+Layers, bottom to top: :mod:`tokenmdp.batch` (the one batch type, :class:`TokenBatch`),
+:mod:`tokenmdp.exact` (an enumerable token MDP with its true objective and gradient),
+and the command line in :mod:`tokenmdp.cli`. Lower layers never import upper ones.
+
+Shape-suffix legend used in tensor names where a shape is not obvious:
+
+* ``_RC``  rows x row capacity of a :class:`TokenBatch` (every per-token tensor);
+* ``_S``   one entry per sequence (indexed by ``sequence_id``);
+* ``_N``   a flat list of items (states, sequences of an enumeration, ...);
+* ``_V``   one entry per vocabulary token;
+* ``_P``   one entry per prompt.
+"""
+
+from tokenmdp.batch import TokenBatch
+
+__version__ = "0.1.0"
+__all__ = ["TokenBatch", "__version__"]

@@ -1,0 +1,400 @@
+"""The one batch type both worlds share: :class:`TokenBatch`.
+
+A batch is a set of token sequences (prompt followed by response) laid out in a
+``[R, C]`` grid of rows x row capacity. Layout is memory, never meaning: one sequence
+per row (padded), several per row (packed) or one flat row all describe the same batch,
+because every per-sequence quantity is reduced through ``sequence_id``.
+
+Invariants checked at construction (a violation raises ``ValueError`` naming the field):
+
+* every token tensor has the same shape ``[R, C]``; every per-sequence tensor has shape ``[S]``;
+* ``sequence_id`` is ``-1`` on padding and in ``[0, S)`` elsewhere, every sequence id occurs;
+* each sequence occupies one contiguous span of a single row with ``position`` 0, 1, 2, ...;
+* the last ``length[s]`` tokens of sequence ``s`` are its response, the rest its prompt;
+  ``loss_mask`` is only set on response tokens;
+* every floating-point field is finite and all of them share one dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["TokenBatch"]
+
+_TOKEN_FLOAT_FIELDS = ("advantage", "behavior_logprob", "old_logprob", "ref_logprob", "loss_weight")
+_SEQ_FLOAT_FIELDS = ("reward",)
+_SEQ_INT_FIELDS = ("group", "length", "prompt_index")
+
+
+def _fail(field: str, what: str) -> None:
+    raise ValueError(f"TokenBatch.{field}: {what}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenBatch:
+    """Packed token sequences with their loss mask, advantages, log-probs and loss weights.
+
+    Token fields have shape ``[R, C]`` (rows x row capacity); sequence fields have shape ``[S]``
+    and are indexed by ``sequence_id``. Instances are immutable: use :meth:`replace` to derive
+    a batch with some fields changed (validation runs again).
+
+    Parameters
+    ----------
+    tokens : LongTensor ``[R, C]``
+        Token ids; padding positions hold 0.
+    sequence_id : LongTensor ``[R, C]``
+        Sequence each token belongs to, ``-1`` for padding.
+    position : LongTensor ``[R, C]``
+        Position of the token inside its own sequence (prompt and response together); 0 on padding.
+    loss_mask : BoolTensor ``[R, C]``
+        True where the token is a sampled action that receives gradient.
+    advantage : float ``[R, C]``
+        Per-token weight ``A_{i,t}`` of the log-likelihood (1 for pretraining).
+    loss_weight : float ``[R, C]``
+        Aggregation coefficient of each token, decided once per optimizer step.
+    reward : float ``[S]``
+        Scalar reward of each sequence.
+    group : LongTensor ``[S]``
+        Group (one prompt's G responses) of each sequence.
+    length : LongTensor ``[S]``
+        Number of response tokens of each sequence (the last ``length`` tokens).
+    prompt_index : LongTensor ``[S]``
+        Index of the prompt the sequence answers (into the MDP's or task's prompt list).
+    behavior_logprob, old_logprob, ref_logprob : float ``[R, C]`` or None
+        ``log mu`` (sampling engine), ``log pi_old`` (training engine at the rollout weights) and
+        ``log pi_ref`` (reference policy for KL) of each token, when known.
+    token_extras : mapping of str to Tensor ``[R, C, ...]``
+        Further per-token records (for example MoE routing traces) that travel with their tokens.
+    """
+
+    tokens: torch.Tensor
+    sequence_id: torch.Tensor
+    position: torch.Tensor
+    loss_mask: torch.Tensor
+    advantage: torch.Tensor
+    loss_weight: torch.Tensor
+    reward: torch.Tensor
+    group: torch.Tensor
+    length: torch.Tensor
+    prompt_index: torch.Tensor
+    behavior_logprob: torch.Tensor | None = None
+    old_logprob: torch.Tensor | None = None
+    ref_logprob: torch.Tensor | None = None
+    token_extras: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        self._validate()
+        object.__setattr__(self, "token_extras", dict(self.token_extras))
+
+    def _validate(self) -> None:
+        for name in ("tokens", "sequence_id", "position", "loss_mask", "advantage", "loss_weight",
+                     "reward", "group", "length", "prompt_index"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"TokenBatch.{name}: expected a torch.Tensor, got "
+                                f"{type(getattr(self, name)).__name__}")
+        if self.tokens.dim() != 2:
+            _fail("tokens", f"expected shape [R, C], got {tuple(self.tokens.shape)}")
+        shape = self.tokens.shape
+        device = self.tokens.device
+        for name in ("tokens", "sequence_id", "position"):
+            t = getattr(self, name)
+            if t.dtype not in (torch.int64, torch.int32):
+                _fail(name, f"expected an integer tensor, got {t.dtype}")
+        if self.loss_mask.dtype != torch.bool:
+            _fail("loss_mask", f"expected a bool tensor, got {self.loss_mask.dtype}")
+        float_dtype = self.advantage.dtype
+        if not float_dtype.is_floating_point:
+            _fail("advantage", f"expected a floating-point tensor, got {float_dtype}")
+        for name in ("sequence_id", "position", "loss_mask", *_TOKEN_FLOAT_FIELDS):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"TokenBatch.{name}: expected a torch.Tensor or None, got "
+                                f"{type(t).__name__}")
+            if t.shape != shape:
+                _fail(name, f"shape {tuple(t.shape)} differs from tokens' {tuple(shape)}")
+            if t.device != device:
+                _fail(name, f"on {t.device}, tokens on {device}")
+        for name in _TOKEN_FLOAT_FIELDS + _SEQ_FLOAT_FIELDS:
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if t.dtype != float_dtype:
+                _fail(name, f"dtype {t.dtype} differs from advantage's {float_dtype}; "
+                            "all floating-point fields share one dtype")
+            if not bool(torch.isfinite(t).all()):
+                _fail(name, "contains non-finite values")
+        for name, t in self.token_extras.items():
+            if not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != tuple(shape):
+                _fail(f"token_extras[{name!r}]", f"expected a tensor of shape [R, C, ...] = "
+                      f"{tuple(shape)}+..., got {getattr(t, 'shape', type(t).__name__)}")
+
+        if self.reward.dim() != 1:
+            _fail("reward", f"expected shape [S], got {tuple(self.reward.shape)}")
+        num_seq = self.reward.shape[0]
+        for name in _SEQ_INT_FIELDS:
+            t = getattr(self, name)
+            if t.dtype not in (torch.int64, torch.int32):
+                _fail(name, f"expected an integer tensor, got {t.dtype}")
+            if t.shape != (num_seq,):
+                _fail(name, f"expected shape [S] = ({num_seq},), got {tuple(t.shape)}")
+            if t.device != device:
+                _fail(name, f"on {t.device}, tokens on {device}")
+            if num_seq and int(t.min()) < 0:
+                _fail(name, "contains negative values")
+        if self.reward.device != device:
+            _fail("reward", f"on {self.reward.device}, tokens on {device}")
+
+        sid = self.sequence_id
+        real = sid >= 0
+        if bool((sid < -1).any()) or (num_seq and int(sid.max()) >= num_seq):
+            _fail("sequence_id", f"values must be -1 (padding) or in [0, {num_seq})")
+        if num_seq == 0 and bool(real.any()):
+            _fail("sequence_id", "tokens belong to sequences but the batch has no sequences (S = 0)")
+        if bool((self.loss_mask & ~real).any()):
+            _fail("loss_mask", "set on padding tokens")
+        if bool((self.tokens < 0).any()):
+            _fail("tokens", "contains negative token ids")
+        if bool((self.position < 0).any()):
+            _fail("position", "contains negative positions")
+        if num_seq == 0:
+            return
+        # Contiguity: a token at position p > 0 follows, in the same row, the token of the same
+        # sequence at position p - 1; each sequence starts exactly once (position 0).
+        pos = self.position
+        starts = real & (pos == 0)
+        cont = real & (pos > 0)
+        prev_ok = torch.zeros_like(real)
+        prev_ok[:, 1:] = (sid[:, 1:] == sid[:, :-1]) & (pos[:, 1:] == pos[:, :-1] + 1)
+        if bool((cont & ~prev_ok).any()):
+            _fail("position", "each sequence must occupy a contiguous span of one row with "
+                              "positions 0, 1, 2, ... in order")
+        n_starts = torch.zeros(num_seq, dtype=torch.long, device=device).index_add_(
+            0, sid[starts].long(), torch.ones_like(sid[starts], dtype=torch.long))
+        if bool((n_starts != 1).any()):
+            missing = int((n_starts == 0).sum())
+            _fail("sequence_id", f"every sequence id in [0, S) must start exactly once "
+                                 f"({missing} never occur, {int((n_starts > 1).sum())} repeat)")
+        total = self.sequence_lengths_total()
+        if bool((self.length > total).any()):
+            _fail("length", "response length exceeds the number of tokens of the sequence")
+        if bool((self.loss_mask & ~self.response_mask).any()):
+            _fail("loss_mask", "set on prompt tokens; only response tokens can be actions")
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_sequences(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        *,
+        rewards: Sequence[float] | torch.Tensor | None = None,
+        groups: Sequence[int] | torch.Tensor | None = None,
+        prompt_index: Sequence[int] | torch.Tensor | None = None,
+        behavior_logprobs: Sequence[Sequence[float]] | None = None,
+        capacity: int | None = None,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str | None = None,
+    ) -> TokenBatch:
+        """Build a padded batch, one (prompt, response) sequence per row.
+
+        Parameters
+        ----------
+        prompts, responses : sequences of token-id sequences
+            ``prompts[i] + responses[i]`` is sequence ``i``; response tokens get ``loss_mask``.
+        rewards : optional, shape ``[S]``
+            Sequence rewards (default 0).
+        groups : optional, shape ``[S]``
+            Group of each sequence (default: each sequence its own group).
+        prompt_index : optional, shape ``[S]``
+            Prompt index of each sequence (default: ``groups``).
+        behavior_logprobs : optional
+            Per sequence, the behaviour log-prob of each response token.
+        capacity : int, optional
+            Row capacity ``C`` (default: the longest sequence).
+        dtype : torch.dtype
+            Floating-point dtype of the float fields (default float64).
+        device : optional
+            Device of every tensor.
+
+        Returns
+        -------
+        TokenBatch
+            With ``advantage`` 1 and ``loss_weight`` 1 on response tokens (pretraining weights).
+        """
+        if len(prompts) != len(responses):
+            raise ValueError(f"prompts and responses differ in length: {len(prompts)} vs "
+                             f"{len(responses)}")
+        num_seq = len(prompts)
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        longest = max((len(s) for s in seqs), default=0)
+        if capacity is None:
+            capacity = max(longest, 1)
+        if capacity < longest:
+            raise ValueError(f"capacity={capacity} is shorter than the longest sequence ({longest})")
+        for i, s in enumerate(seqs):
+            if len(s) == 0:
+                raise ValueError(f"sequence {i} is empty (prompts[{i}] and responses[{i}])")
+        tokens = torch.zeros(num_seq, capacity, dtype=torch.long)
+        sequence_id = torch.full((num_seq, capacity), -1, dtype=torch.long)
+        position = torch.zeros(num_seq, capacity, dtype=torch.long)
+        loss_mask = torch.zeros(num_seq, capacity, dtype=torch.bool)
+        behavior = None if behavior_logprobs is None else torch.zeros(num_seq, capacity, dtype=dtype)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            n = len(p) + len(r)
+            tokens[i, :n] = torch.as_tensor(seqs[i], dtype=torch.long)
+            sequence_id[i, :n] = i
+            position[i, :n] = torch.arange(n)
+            loss_mask[i, len(p):n] = True
+            if behavior is not None:
+                lp = torch.as_tensor(behavior_logprobs[i], dtype=dtype)
+                if lp.shape != (len(r),):
+                    raise ValueError(f"behavior_logprobs[{i}] has {lp.numel()} values for "
+                                     f"{len(r)} response tokens")
+                behavior[i, len(p):n] = lp
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        reward = (torch.zeros(num_seq, dtype=dtype) if rewards is None
+                  else torch.as_tensor(rewards, dtype=dtype).clone())
+        group = (torch.arange(num_seq) if groups is None
+                 else torch.as_tensor(groups, dtype=torch.long).clone())
+        pidx = group.clone() if prompt_index is None else torch.as_tensor(prompt_index,
+                                                                          dtype=torch.long).clone()
+        ones = loss_mask.to(dtype)
+        batch = cls(tokens=tokens, sequence_id=sequence_id, position=position, loss_mask=loss_mask,
+                    advantage=ones, loss_weight=ones.clone(), reward=reward, group=group,
+                    length=lengths, prompt_index=pidx, behavior_logprob=behavior)
+        return batch if device is None else batch.to(device=device)
+
+    # ------------------------------------------------------------------ shape facts
+    @property
+    def num_rows(self) -> int:
+        """``R``, the number of rows."""
+        return self.tokens.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """``C``, the row capacity."""
+        return self.tokens.shape[1]
+
+    @property
+    def num_sequences(self) -> int:
+        """``S``, the number of sequences."""
+        return self.reward.shape[0]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Number of tokens with ``loss_mask`` set."""
+        return int(self.loss_mask.sum())
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Number of non-padding tokens."""
+        return int((self.sequence_id >= 0).sum())
+
+    @property
+    def device(self) -> torch.device:
+        """Device of every tensor."""
+        return self.tokens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Floating-point dtype shared by every float field."""
+        return self.advantage.dtype
+
+    @property
+    def is_padding(self) -> torch.Tensor:
+        """Bool ``[R, C]``: True on padding positions."""
+        return self.sequence_id < 0
+
+    # ------------------------------------------------------------------ per-sequence reductions
+    def sequence_sum(self, values_RC: torch.Tensor) -> torch.Tensor:
+        """Sum per-token values over each sequence: ``out[s] = sum_{tokens of s} values``.
+
+        Padding positions are ignored. Works for any layout (one ``index_add``, no loop).
+        Differentiable in ``values_RC``.
+        """
+        if values_RC.shape[:2] != self.tokens.shape:
+            raise ValueError(f"values_RC: shape {tuple(values_RC.shape)} does not start with the "
+                             f"batch's [R, C] = {tuple(self.tokens.shape)}")
+        real = self.sequence_id >= 0
+        out = values_RC.new_zeros((self.num_sequences, *values_RC.shape[2:]))
+        return out.index_add(0, self.sequence_id[real].long(), values_RC[real])
+
+    def to_tokens(self, values_S: torch.Tensor) -> torch.Tensor:
+        """Broadcast per-sequence values ``[S, ...]`` to ``[R, C, ...]`` (zero on padding)."""
+        if values_S.shape[:1] != (self.num_sequences,):
+            raise ValueError(f"values_S: expected leading dimension S = {self.num_sequences}, got "
+                             f"shape {tuple(values_S.shape)}")
+        real = self.sequence_id >= 0
+        out = values_S.new_zeros((*self.tokens.shape, *values_S.shape[1:]))
+        out[real] = values_S[self.sequence_id[real].long()]
+        return out
+
+    def sequence_lengths_total(self) -> torch.Tensor:
+        """Long ``[S]``: number of tokens (prompt + response) of each sequence."""
+        real = self.sequence_id >= 0
+        return torch.zeros(self.num_sequences, dtype=torch.long, device=self.device).index_add_(
+            0, self.sequence_id[real].long(), torch.ones(int(real.sum()), dtype=torch.long,
+                                                         device=self.device))
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        """Bool ``[R, C]``: True on response tokens (the last ``length`` tokens of a sequence)."""
+        prompt_len = self.sequence_lengths_total() - self.length
+        return (self.sequence_id >= 0) & (self.position >= self.to_tokens(prompt_len))
+
+    @property
+    def response_position(self) -> torch.Tensor:
+        """Long ``[R, C]``: index of a response token inside its response; -1 elsewhere."""
+        prompt_len = self.sequence_lengths_total() - self.length
+        rpos = self.position - self.to_tokens(prompt_len)
+        return torch.where(self.response_mask, rpos, torch.full_like(rpos, -1))
+
+    # ------------------------------------------------------------------ conversions
+    def replace(self, **changes: Any) -> TokenBatch:
+        """A new batch with some fields replaced (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device: torch.device | str | None = None,
+           dtype: torch.dtype | None = None) -> TokenBatch:
+        """Move every tensor to ``device`` and cast the floating-point fields to ``dtype``."""
+        if dtype is not None and not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating-point dtype, got {dtype}")
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "token_extras":
+                changes[f.name] = {k: t.to(device=device) for k, t in v.items()}
+            elif v is None:
+                continue
+            elif f.name in _TOKEN_FLOAT_FIELDS + _SEQ_FLOAT_FIELDS:
+                changes[f.name] = v.to(device=device, dtype=dtype)
+            else:
+                changes[f.name] = v.to(device=device)
+        return dataclasses.replace(self, **changes)
+
+    def sequences(self) -> list[tuple[list[int], list[int]]]:
+        """The (prompt, response) token lists of every sequence, in ``sequence_id`` order."""
+        real = self.sequence_id >= 0
+        sid = self.sequence_id[real].tolist()
+        pos = self.position[real].tolist()
+        tok = self.tokens[real].tolist()
+        seqs = [[0] * n for n in self.sequence_lengths_total().tolist()]
+        for s, p, t in zip(sid, pos, tok):
+            seqs[s][p] = t
+        lengths = self.length.tolist()
+        return [(seq[: len(seq) - n], seq[len(seq) - n:]) for seq, n in zip(seqs, lengths)]
+
+    def __repr__(self) -> str:
+        opt = [n for n in ("behavior_logprob", "old_logprob", "ref_logprob")
+               if getattr(self, n) is not None]
+        return (f"TokenBatch(R={self.num_rows}, C={self.capacity}, S={self.num_sequences}, "
+                f"loss_tokens={self.num_loss_tokens}, dtype={self.dtype}, device={self.device}"
+                + (f", with {', '.join(opt)}" if opt else "")
+                + (f", extras={sorted(self.token_extras)}" if self.token_extras else "") + ")")
