@@ -1,0 +1,40 @@
+"""The exact world: an enumerable token MDP, its policies and its ground truth (float64).
+
+See :mod:`tokenmdp.exact.mdp` for the MDP and its state/terminal indexing,
+:mod:`tokenmdp.exact.policies` for the policy protocol, :mod:`tokenmdp.exact.ground_truth` for
+``J``, ``∇J``, values, KL and entropy, :mod:`tokenmdp.exact.behavior` for stale and
+inference-engine behaviour policies, and :mod:`tokenmdp.exact.sampling` for Monte Carlo draws.
+"""
+
+from tokenmdp.exact import rewards
+from tokenmdp.exact.behavior import InferencePolicy, inference_copy, round_logits, stale_copy
+from tokenmdp.exact.ground_truth import (
+    ValueTables,
+    flat_grad,
+    gradient,
+    objective,
+    sequence_kl,
+    sequence_logprobs,
+    sequence_probs,
+    state_logprobs,
+    state_visitation,
+    surrogate,
+    token_entropy,
+    values,
+)
+from tokenmdp.exact.mdp import TokenMDP
+from tokenmdp.exact.policies import (
+    LogLinearPolicy,
+    NeuralPolicy,
+    PrefixPolicy,
+    TabularPolicy,
+    check_policy,
+)
+from tokenmdp.exact.sampling import sample
+
+__all__ = [
+    "TokenMDP", "rewards", "PrefixPolicy", "TabularPolicy", "LogLinearPolicy", "NeuralPolicy",
+    "check_policy", "objective", "gradient", "flat_grad", "sequence_logprobs", "sequence_probs",
+    "state_logprobs", "state_visitation", "values", "ValueTables", "token_entropy", "sequence_kl",
+    "surrogate", "InferencePolicy", "inference_copy", "stale_copy", "round_logits", "sample",
+]

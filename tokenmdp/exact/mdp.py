@@ -1,0 +1,342 @@
+"""The exact token MDP: a finite prompt distribution, a vocabulary with EOS, a length limit.
+
+State ``s_t = (x, y_<t)``, action ``a_t = y_t``, deterministic transitions, terminal reward
+``R(x, y)``. A response ends at EOS or is truncated after ``max_len`` tokens, so every response is
+one of
+
+* ``k`` non-EOS tokens followed by EOS, for ``k = 0 .. L-1`` (length ``k + 1``), or
+* ``L`` non-EOS tokens (truncated),
+
+and per prompt there are ``sum_{k=0}^{L} b^k`` responses with ``b = V - 1`` (the closed form of
+:attr:`TokenMDP.responses_per_prompt`).
+
+Indexing. The non-terminal states at depth ``k`` (``k`` response tokens, none of them EOS) of
+prompt ``p`` are numbered by the base-``b`` code of their prefix, most significant token first,
+so the children of code ``c`` are ``c * b + a``. Global state ids run level by level:
+``state = level_offset[k] + p * b**k + code``. Terminals (full responses) are ordered prompt-major,
+then by level (EOS after 0, 1, ..., L-1 tokens, then the truncated ones), then by code; this is
+the order of :meth:`TokenMDP.enumerate` and of every per-sequence tensor in :mod:`tokenmdp.exact`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from tokenmdp.batch import TokenBatch
+
+__all__ = ["TokenMDP"]
+
+#: Tolerance on ``sum(prompt_probs) == 1``.
+PROB_SUM_TOL = 1e-9
+
+
+class TokenMDP:
+    """An enumerable token-level MDP.
+
+    Parameters
+    ----------
+    vocab_size : int
+        Number of tokens ``V >= 2``; token ``V - 1`` is EOS.
+    max_len : int
+        Maximum response length ``L >= 1``; longer responses are truncated.
+    reward : callable
+        ``reward(prompt, response) -> float`` with token tuples. Built-in rewards in
+        :mod:`tokenmdp.exact.rewards` also offer a vectorized form used when present.
+    prompts : sequence of token sequences
+        The prompts ``x`` (each at least one token). Default: one prompt ``(0,)``.
+    prompt_probs : sequence of float, optional
+        ``D(x)``; default uniform. Must be non-negative and sum to 1.
+
+    Raises
+    ------
+    ValueError
+        On ``vocab_size < 2``, ``max_len < 1``, empty or malformed prompts, probabilities that do
+        not sum to 1, or a reward returning a non-finite value (raised when rewards are first
+        evaluated, which is at construction).
+    """
+
+    def __init__(self, vocab_size: int, max_len: int, reward: Callable[[tuple, tuple], float], *,
+                 prompts: Sequence[Sequence[int]] = ((0,),),
+                 prompt_probs: Sequence[float] | None = None) -> None:
+        if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool):
+            raise TypeError(f"vocab_size: expected an int, got {type(vocab_size).__name__}")
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size: must be >= 2 (one token plus EOS), got {vocab_size}")
+        if not isinstance(max_len, (int, np.integer)) or isinstance(max_len, bool):
+            raise TypeError(f"max_len: expected an int, got {type(max_len).__name__}")
+        if max_len < 1:
+            raise ValueError(f"max_len: must be >= 1, got {max_len}")
+        if not callable(reward):
+            raise TypeError(f"reward: expected a callable (prompt, response) -> float, got "
+                            f"{type(reward).__name__}")
+        prompts = [tuple(int(t) for t in p) for p in prompts]
+        if not prompts:
+            raise ValueError("prompts: need at least one prompt")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompts: prompt {i} is empty")
+            if min(p) < 0 or max(p) >= vocab_size:
+                raise ValueError(f"prompts: prompt {i} has token ids outside [0, {vocab_size})")
+        if len(set(prompts)) != len(prompts):
+            raise ValueError("prompts: prompts must be distinct")
+        if prompt_probs is None:
+            probs = np.full(len(prompts), 1.0 / len(prompts))
+        else:
+            probs = np.asarray(prompt_probs, dtype=np.float64)
+            if probs.shape != (len(prompts),):
+                raise ValueError(f"prompt_probs: expected {len(prompts)} values, got shape "
+                                 f"{probs.shape}")
+            if not np.all(np.isfinite(probs)) or np.any(probs < 0):
+                raise ValueError("prompt_probs: must be finite and non-negative")
+            if abs(probs.sum() - 1.0) > PROB_SUM_TOL:
+                raise ValueError(f"prompt_probs: must sum to 1, sum is {probs.sum():.12g}")
+        self.vocab_size = int(vocab_size)
+        self.max_len = int(max_len)
+        self.reward_fn = reward
+        self.prompts: tuple[tuple[int, ...], ...] = tuple(prompts)
+        self.prompt_probs = torch.as_tensor(probs, dtype=torch.float64)
+        self.rewards  # evaluate (and validate) the reward table now
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def eos(self) -> int:
+        """The EOS token id, ``V - 1``."""
+        return self.vocab_size - 1
+
+    @property
+    def branching(self) -> int:
+        """``b = V - 1``, the number of non-EOS tokens."""
+        return self.vocab_size - 1
+
+    @property
+    def num_prompts(self) -> int:
+        """Number of prompts ``P``."""
+        return len(self.prompts)
+
+    @property
+    def responses_per_prompt(self) -> int:
+        """``sum_{k=0}^{L} b^k`` responses per prompt (closed form)."""
+        b, L = self.branching, self.max_len
+        return L + 1 if b == 1 else (b ** (L + 1) - 1) // (b - 1)
+
+    @property
+    def num_sequences(self) -> int:
+        """Total number of (prompt, response) pairs, ``P * sum_{k=0}^{L} b^k``."""
+        return self.num_prompts * self.responses_per_prompt
+
+    def level_size(self, k: int) -> int:
+        """Number of non-terminal states at depth ``k`` per prompt, ``b^k``."""
+        return self.branching ** k
+
+    @cached_property
+    def level_offsets(self) -> tuple[int, ...]:
+        """Global id of the first state of each depth ``0 .. L`` (the last entry is the total)."""
+        offs = [0]
+        for k in range(self.max_len):
+            offs.append(offs[-1] + self.num_prompts * self.level_size(k))
+        return tuple(offs)
+
+    @property
+    def num_states(self) -> int:
+        """Number of non-terminal states (prefixes where the policy acts)."""
+        return self.level_offsets[-1]
+
+    # ------------------------------------------------------------------ prefixes
+    def level_prefixes(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All states at depth ``k``: prompt index ``[N]`` and prefix tokens ``[N, k]``.
+
+        ``N = P * b^k``, ordered by (prompt, code), i.e. by global state id.
+        """
+        n = self.level_size(k)
+        prompt_index = torch.arange(self.num_prompts).repeat_interleave(n)
+        codes = torch.arange(n).repeat(self.num_prompts)
+        return prompt_index, self.decode(codes, k)
+
+    def decode(self, codes: torch.Tensor, k: int) -> torch.Tensor:
+        """Base-``b`` digits (most significant first) ``[N, k]`` of prefix codes ``[N]``."""
+        powers = self.branching ** torch.arange(k - 1, -1, -1, dtype=torch.long)
+        return (codes[:, None] // powers) % self.branching
+
+    def encode(self, prefix: torch.Tensor) -> torch.Tensor:
+        """Codes ``[N]`` of prefixes ``[N, k]`` of non-EOS tokens (inverse of :meth:`decode`)."""
+        k = prefix.shape[1]
+        powers = self.branching ** torch.arange(k - 1, -1, -1, dtype=torch.long)
+        return (prefix.long() * powers).sum(-1)
+
+    def state_index(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """Global state ids ``[N]`` of states given by prompt index ``[N]`` and prefix ``[N, k]``."""
+        k = prefix.shape[1]
+        return self.level_offsets[k] + prompt_index * self.level_size(k) + self.encode(prefix)
+
+    # ------------------------------------------------------------------ terminals
+    @cached_property
+    def _terminal_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per terminal in canonical order: prompt index ``[N]``, responses ``[N, L]`` (padded
+        with EOS), response lengths ``[N]``."""
+        b, L, P = self.branching, self.max_len, self.num_prompts
+        resp_blocks, len_blocks = [], []
+        for k in range(L + 1):
+            n = b ** k
+            digits = self.decode(torch.arange(n), k)
+            block = torch.full((n, L), self.eos, dtype=torch.long)
+            block[:, :k] = digits
+            resp_blocks.append(block)
+            len_blocks.append(torch.full((n,), k + 1 if k < L else L, dtype=torch.long))
+        per_prompt = torch.cat(resp_blocks)
+        lengths = torch.cat(len_blocks)
+        m = per_prompt.shape[0]
+        return (torch.arange(P).repeat_interleave(m), per_prompt.repeat(P, 1), lengths.repeat(P))
+
+    @cached_property
+    def rewards(self) -> torch.Tensor:
+        """Float64 ``[N]``: ``R(x, y)`` of every terminal in canonical order."""
+        pidx, resp, lengths = self._terminal_layout
+        vectorized = getattr(self.reward_fn, "vectorized", None)
+        if vectorized is not None:
+            values = torch.as_tensor(
+                vectorized(self.prompts, pidx, resp, lengths, eos=self.eos), dtype=torch.float64)
+        else:
+            rows = resp.tolist()
+            values = torch.tensor(
+                [float(self.reward_fn(self.prompts[p], tuple(r[:n])))
+                 for p, r, n in zip(pidx.tolist(), rows, lengths.tolist())], dtype=torch.float64)
+        if values.shape != (self.num_sequences,):
+            raise ValueError(f"reward: vectorized form returned shape {tuple(values.shape)}, "
+                             f"expected ({self.num_sequences},)")
+        bad = ~torch.isfinite(values)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"reward: returned a non-finite value {float(values[i])} for "
+                             f"prompt {self.prompts[int(pidx[i])]}, response "
+                             f"{tuple(resp[i, :int(lengths[i])].tolist())}")
+        return values
+
+    @property
+    def terminal_prompt_index(self) -> torch.Tensor:
+        """Long ``[N]``: prompt index of every terminal."""
+        return self._terminal_layout[0]
+
+    @property
+    def terminal_lengths(self) -> torch.Tensor:
+        """Long ``[N]``: response length ``|y|`` of every terminal."""
+        return self._terminal_layout[2]
+
+    def responses(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Every (prompt, response) pair in canonical order, as token tuples."""
+        pidx, resp, lengths = self._terminal_layout
+        return [(self.prompts[p], tuple(r[:n])) for p, r, n in
+                zip(pidx.tolist(), resp.tolist(), lengths.tolist())]
+
+    def terminal_index(self, prompt_index: torch.Tensor, responses: torch.Tensor,
+                       lengths: torch.Tensor) -> torch.Tensor:
+        """Canonical terminal ids ``[N]`` of responses ``[N, >=L]`` (EOS-padded) with ``lengths``."""
+        b, L = self.branching, self.max_len
+        ends_eos = responses.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0] == self.eos
+        depth = torch.where(ends_eos, lengths - 1, torch.full_like(lengths, L))
+        cols = torch.arange(L)
+        digits = torch.where(cols[None, :] < depth[:, None], responses[:, :L], 0)
+        # code of the depth-k prefix: sum_j y_j b^(k-1-j); shift the full-width code right by L-k
+        full = (digits * (b ** torch.arange(L - 1, -1, -1))).sum(1)
+        code = full // (b ** (L - depth))
+        block = torch.tensor([sum(b ** j for j in range(k)) for k in range(L + 1)])
+        return prompt_index * self.responses_per_prompt + block[depth] + code
+
+    def make_batch(self, prompt_index: torch.Tensor, responses: torch.Tensor,
+                   lengths: torch.Tensor, *, behavior_logprob: torch.Tensor | None = None,
+                   group: torch.Tensor | None = None) -> TokenBatch:
+        """A padded TokenBatch (one sequence per row) of responses to this MDP's prompts.
+
+        Parameters
+        ----------
+        prompt_index : LongTensor ``[N]``
+        responses : LongTensor ``[N, L]``
+            Response tokens, padded with anything after ``lengths``.
+        lengths : LongTensor ``[N]``
+        behavior_logprob : float64 ``[N, L]``, optional
+            Log-prob of each response token under the sampling policy.
+        group : LongTensor ``[N]``, optional
+            Group ids (default: the prompt index).
+
+        Returns
+        -------
+        TokenBatch
+            ``reward`` is ``R(x, y)`` looked up in the reward table; advantage and loss weight 1
+            on response tokens.
+        """
+        plen = torch.tensor([len(p) for p in self.prompts], dtype=torch.long)
+        max_plen = int(plen.max())
+        n = prompt_index.shape[0]
+        cap = max_plen + self.max_len
+        prompt_tok = torch.zeros(self.num_prompts, max_plen, dtype=torch.long)
+        for i, p in enumerate(self.prompts):
+            prompt_tok[i, :len(p)] = torch.tensor(p)
+        my_plen = plen[prompt_index]                          # [N]
+        total = my_plen + lengths                             # [N]
+        col = torch.arange(cap)[None, :]                      # [1, C]
+        in_prompt = col < my_plen[:, None]
+        in_resp = (col >= my_plen[:, None]) & (col < total[:, None])
+        tokens = torch.zeros(n, cap, dtype=torch.long)
+        tokens[:, :max_plen] = torch.where(in_prompt[:, :max_plen], prompt_tok[prompt_index], 0)
+        rcol = (col - my_plen[:, None]).clamp(0, self.max_len - 1).expand(n, cap)
+        tokens = torch.where(in_resp, responses[:, :self.max_len].gather(1, rcol), tokens)
+        real = col < total[:, None]
+        sequence_id = torch.where(real, torch.arange(n)[:, None], -1)
+        position = torch.where(real, col, 0)
+        ones = in_resp.to(torch.float64)
+        behavior = None
+        if behavior_logprob is not None:
+            behavior = torch.where(in_resp, behavior_logprob.gather(1, rcol), 0.0)
+        reward = self.rewards[self.terminal_index(prompt_index, responses, lengths)]
+        return TokenBatch(tokens=tokens, sequence_id=sequence_id, position=position,
+                          loss_mask=in_resp, advantage=ones, loss_weight=ones.clone(),
+                          reward=reward, group=(prompt_index if group is None else group).clone(),
+                          length=lengths.clone(), prompt_index=prompt_index.clone(),
+                          behavior_logprob=behavior)
+
+    def enumerate(self) -> TokenBatch:
+        """Every (prompt, response) exactly once, one sequence per row, in canonical order.
+
+        ``reward`` holds ``R(x, y)``, ``group`` and ``prompt_index`` the prompt index;
+        ``advantage`` and ``loss_weight`` are 1 on response tokens (float64).
+        """
+        pidx, resp, lengths = self._terminal_layout
+        return self.make_batch(pidx, resp, lengths)
+
+    # ------------------------------------------------------------------ membership
+    def check_batch(self, batch: TokenBatch, *, name: str = "batch") -> None:
+        """Raise ``ValueError`` unless every sequence of ``batch`` is a valid (prompt, response)."""
+        if not isinstance(batch, TokenBatch):
+            raise TypeError(f"{name}: expected a TokenBatch, got {type(batch).__name__}")
+        if batch.num_sequences == 0:
+            return
+        if int(batch.prompt_index.max()) >= self.num_prompts:
+            raise ValueError(f"{name}: prompt_index out of range for an MDP with "
+                             f"{self.num_prompts} prompts")
+        if int(batch.length.max()) > self.max_len:
+            raise ValueError(f"{name}: a response is longer than max_len={self.max_len}")
+        if int(batch.tokens.max()) >= self.vocab_size:
+            raise ValueError(f"{name}: token ids outside the vocabulary [0, {self.vocab_size})")
+        rpos = batch.response_position
+        last = batch.to_tokens(batch.length - 1)
+        inner = (rpos >= 0) & (rpos < last)
+        if bool((batch.tokens[inner] == self.eos).any()):
+            raise ValueError(f"{name}: EOS inside a response (responses end at EOS)")
+        short = batch.to_tokens((batch.length < self.max_len).long()).bool()
+        final = (rpos >= 0) & (rpos == last)
+        if bool((batch.tokens[final & short] != self.eos).any()):
+            raise ValueError(f"{name}: a response shorter than max_len does not end with EOS")
+        plen = torch.tensor([len(p) for p in self.prompts], dtype=torch.long,
+                            device=batch.device)
+        expected = plen[batch.prompt_index] + batch.length
+        if bool((batch.sequence_lengths_total() != expected).any()):
+            raise ValueError(f"{name}: prompt lengths do not match the MDP's prompts")
+
+    def __repr__(self) -> str:
+        return (f"TokenMDP(vocab_size={self.vocab_size}, max_len={self.max_len}, "
+                f"prompts={self.num_prompts}, sequences={self.num_sequences}, "
+                f"reward={getattr(self.reward_fn, '__name__', type(self.reward_fn).__name__)})")
+

@@ -1,0 +1,251 @@
+"""Reward functions ``R(x, y)`` for the exact token MDP.
+
+A reward is any callable ``reward(prompt, response) -> float`` on token tuples. The built-in ones
+below also offer ``vectorized(prompts, prompt_index, responses, lengths, *, eos)`` over every
+terminal at once (``responses`` is ``[N, L]`` padded with EOS), which :class:`~tokenmdp.exact.TokenMDP`
+uses when present; their ``__call__`` runs the same vectorized code on one row, so the two forms
+cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["Reward", "ExactMatch", "ContainsPattern", "TokenCount", "Parity", "LengthReward",
+           "RandomTable", "OverlongPenalty"]
+
+
+def _np(x) -> np.ndarray:
+    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+class Reward:
+    """Base class: subclasses implement :meth:`vectorized`; ``__call__`` evaluates one sequence."""
+
+    def vectorized(self, prompts: Sequence[tuple[int, ...]], prompt_index, responses, lengths, *,
+                   eos: int) -> np.ndarray:
+        """Rewards ``[N]`` of responses ``[N, L]`` (EOS-padded) with ``lengths`` ``[N]``."""
+        raise NotImplementedError
+
+    def __call__(self, prompt: Sequence[int], response: Sequence[int], *, eos: int | None = None
+                 ) -> float:
+        """``R(prompt, response)``; ``eos`` defaults to the last token if it looks like EOS."""
+        response = tuple(int(t) for t in response)
+        if eos is None:
+            eos = getattr(self, "eos", None)
+        if eos is None:
+            raise ValueError(f"{type(self).__name__}: pass eos= (or construct with eos=) to "
+                             "evaluate a single sequence outside an MDP")
+        row = np.full((1, max(len(response), 1)), eos, dtype=np.int64)
+        row[0, :len(response)] = response
+        out = self.vectorized((tuple(prompt),), np.zeros(1, dtype=np.int64), row,
+                              np.array([len(response)]), eos=eos)
+        return float(out[0])
+
+    @property
+    def __name__(self) -> str:  # used in reprs
+        return type(self).__name__
+
+
+def _content_mask(responses: np.ndarray, lengths: np.ndarray, eos: int) -> np.ndarray:
+    """True on response tokens that are not EOS (the content)."""
+    cols = np.arange(responses.shape[1])[None, :]
+    return (cols < lengths[:, None]) & (responses != eos)
+
+
+class ExactMatch(Reward):
+    """1 when the response equals the target (including its EOS, if the target has one), else 0.
+
+    Parameters
+    ----------
+    target : tuple of int, or mapping prompt -> tuple
+        The target response, the same for every prompt or one per prompt (keyed by prompt tuple).
+    eos : int, optional
+        EOS id, needed only to call the reward on a single sequence outside an MDP.
+    """
+
+    def __init__(self, target: Sequence[int] | Mapping[tuple[int, ...], Sequence[int]], *,
+                 eos: int | None = None) -> None:
+        if isinstance(target, Mapping):
+            self.targets = {tuple(k): tuple(int(t) for t in v) for k, v in target.items()}
+        else:
+            self.targets = {None: tuple(int(t) for t in target)}
+        self.eos = eos
+
+    def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        responses, lengths, pidx = _np(responses), _np(lengths), _np(prompt_index)
+        out = np.zeros(len(lengths))
+        for p, prompt in enumerate(prompts):
+            target = self.targets.get(prompt, self.targets.get(None))
+            if target is None:
+                raise ValueError(f"reward: ExactMatch has no target for prompt {prompt}")
+            rows = pidx == p
+            if len(target) > responses.shape[1]:
+                continue
+            padded = np.full(responses.shape[1], eos)
+            padded[:len(target)] = target
+            out[rows] = ((responses[rows] == padded).all(1) & (lengths[rows] == len(target)))
+        return out
+
+
+class ContainsPattern(Reward):
+    """1 when the pattern occurs as a contiguous run of the response's tokens, else 0."""
+
+    def __init__(self, pattern: Sequence[int], *, eos: int | None = None) -> None:
+        self.pattern = tuple(int(t) for t in pattern)
+        if not self.pattern:
+            raise ValueError("pattern: must be non-empty")
+        self.eos = eos
+
+    def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        responses, lengths = _np(responses), _np(lengths)
+        n, width = responses.shape
+        m = len(self.pattern)
+        found = np.zeros(n, dtype=bool)
+        for start in range(0, width - m + 1):
+            window = responses[:, start:start + m] == np.array(self.pattern)
+            found |= window.all(1) & (start + m <= lengths)
+        return found.astype(np.float64)
+
+
+class TokenCount(Reward):
+    """``scale`` x the number of occurrences of ``token`` in the response."""
+
+    def __init__(self, token: int, *, scale: float = 1.0, eos: int | None = None) -> None:
+        self.token, self.scale, self.eos = int(token), float(scale), eos
+
+    def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        responses, lengths = _np(responses), _np(lengths)
+        mask = _content_mask(responses, lengths, eos)
+        return self.scale * ((responses == self.token) & mask).sum(1).astype(np.float64)
+
+
+class Parity(Reward):
+    """1 when the sum of the response's non-EOS token ids has the given parity (0 even, 1 odd)."""
+
+    def __init__(self, parity: int = 0, *, eos: int | None = None) -> None:
+        if parity not in (0, 1):
+            raise ValueError(f"parity: must be 0 or 1, got {parity}")
+        self.parity, self.eos = parity, eos
+
+    def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        responses, lengths = _np(responses), _np(lengths)
+        total = np.where(_content_mask(responses, lengths, eos), responses, 0).sum(1)
+        return (total % 2 == self.parity).astype(np.float64)
+
+
+class LengthReward(Reward):
+    """A reward correlated with length: ``base + per_token * |y| + content(x, y)``.
+
+    With ``per_token < 0`` long responses are worse (wrong answers ramble), with ``per_token > 0``
+    better; ``content`` adds any other reward. Used for the length-bias studies.
+    """
+
+    def __init__(self, per_token: float, *, base: float = 0.0, content: Reward | None = None,
+                 eos: int | None = None) -> None:
+        self.per_token, self.base, self.content, self.eos = float(per_token), float(base), content, eos
+
+    def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        lengths = _np(lengths)
+        out = self.base + self.per_token * lengths.astype(np.float64)
+        if self.content is not None:
+            out = out + self.content.vectorized(prompts, prompt_index, responses, lengths, eos=eos)
+        return out
+
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer (Steele et al. 2014), elementwise on uint64."""
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+        return x ^ (x >> np.uint64(31))
+
+
+class RandomTable(Reward):
+    """A seeded random reward per (prompt, response): uniform in ``[low, high)`` or Bernoulli.
+
+    The value is a hash of (seed, prompt tokens, response tokens), so it does not depend on the
+    enumeration order, and the same seed always gives the same table.
+
+    Parameters
+    ----------
+    seed : int
+        Seed of the table.
+    low, high : float
+        Range of the uniform values.
+    binary_p : float, optional
+        If given, rewards are 1 with probability ``binary_p`` and 0 otherwise.
+    """
+
+    def __init__(self, seed: int, *, low: float = 0.0, high: float = 1.0,
+                 binary_p: float | None = None, eos: int | None = None) -> None:
+        if binary_p is not None and not 0.0 <= binary_p <= 1.0:
+            raise ValueError(f"binary_p: must be in [0, 1], got {binary_p}")
+        self.seed, self.low, self.high, self.binary_p, self.eos = (int(seed), float(low),
+                                                                    float(high), binary_p, eos)
+
+    def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        responses, lengths, pidx = _np(responses), _np(lengths), _np(prompt_index)
+        prompt_hash = np.empty(len(prompts), dtype=np.uint64)
+        for p, prompt in enumerate(prompts):
+            h = _splitmix(np.array([self.seed], dtype=np.uint64))
+            for t in prompt:
+                h = _splitmix(h ^ np.uint64(t + 1))
+            prompt_hash[p] = h[0]
+        h = prompt_hash[pidx]
+        cols = np.arange(responses.shape[1])
+        for c in cols:
+            tok = np.where(c < lengths, responses[:, c] + 1, 0).astype(np.uint64)
+            h = np.where(c < lengths, _splitmix(h ^ tok), h)
+        h = _splitmix(h ^ lengths.astype(np.uint64))
+        u = (h >> np.uint64(11)).astype(np.float64) / float(2 ** 53)
+        if self.binary_p is not None:
+            return (u < self.binary_p).astype(np.float64)
+        return self.low + (self.high - self.low) * u
+
+
+class OverlongPenalty(Reward):
+    """DAPO's soft overlong punishment added to a base reward (Yu et al. 2025, arXiv 2503.14476, Eq. 13).
+
+    ``R_len(y) = 0`` if ``|y| <= L_max - L_cache``; ``((L_max - L_cache) - |y|) / L_cache`` if
+    ``L_max - L_cache < |y| <= L_max``; ``-1`` beyond; ``penalty`` scales the term. A response
+    cut at the limit without EOS exceeded the budget, so with ``truncated_is_overlong`` (default)
+    it gets ``-1`` too.
+    """
+
+    def __init__(self, base: Callable[..., float], *, max_len: int, cache_len: int,
+                 penalty: float = 1.0, truncated_is_overlong: bool = True,
+                 eos: int | None = None) -> None:
+        if cache_len < 1 or cache_len > max_len:
+            raise ValueError(f"cache_len: must be in [1, max_len={max_len}], got {cache_len}")
+        self.base, self.max_len, self.cache_len, self.penalty = base, max_len, cache_len, penalty
+        self.truncated_is_overlong, self.eos = truncated_is_overlong, eos
+
+    def length_term(self, responses, lengths, *, eos) -> np.ndarray:
+        """The penalty term alone, ``[N]``."""
+        responses, lengths = _np(responses), _np(lengths).astype(np.float64)
+        start = self.max_len - self.cache_len
+        term = np.where(lengths <= start, 0.0, (start - lengths) / self.cache_len)
+        term = np.where(lengths > self.max_len, -1.0, term)
+        if self.truncated_is_overlong:
+            last = responses[np.arange(len(lengths)), np.maximum(lengths.astype(int) - 1, 0)]
+            truncated = (lengths >= self.max_len) & (last != eos)
+            term = np.where(truncated, -1.0, term)
+        return self.penalty * term
+
+    def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        vec = getattr(self.base, "vectorized", None)
+        if vec is not None:
+            base = vec(prompts, prompt_index, responses, lengths, eos=eos)
+        else:
+            r, n, p = _np(responses), _np(lengths), _np(prompt_index)
+            base = np.array([float(self.base(prompts[int(i)], tuple(int(t) for t in row[:k])))
+                             for i, row, k in zip(p, r, n)])
+        return base + self.length_term(responses, lengths, eos=eos)
