@@ -94,8 +94,12 @@ def flat_grad(output: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 
 def gradient(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:
-    """The true policy gradient ``∇J`` as one flat vector in ``policy.parameters()`` order."""
-    return flat_grad(objective(mdp, policy), policy)
+    """The true policy gradient ``∇J`` as one flat vector in ``policy.parameters()`` order.
+
+    Works inside ``torch.no_grad()`` too (it enables grad for its own computation).
+    """
+    with torch.enable_grad():
+        return flat_grad(objective(mdp, policy), policy)
 
 
 def state_visitation(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:
@@ -126,7 +130,7 @@ class ValueTables:
 
 def _q_tables(mdp: TokenMDP, levels: list[torch.Tensor]) -> list[torch.Tensor]:
     """Backward recursion: ``Q`` per depth ``[P, b^k, V]``."""
-    P, b, L, eos = mdp.num_prompts, mdp.branching, mdp.max_len, mdp.eos
+    P, b, L = mdp.num_prompts, mdp.branching, mdp.max_len
     rewards = mdp.rewards.view(P, mdp.responses_per_prompt)
     starts = [0]
     for k in range(L + 1):

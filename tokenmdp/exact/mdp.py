@@ -99,7 +99,7 @@ class TokenMDP:
         self.reward_fn = reward
         self.prompts: tuple[tuple[int, ...], ...] = tuple(prompts)
         self.prompt_probs = torch.as_tensor(probs, dtype=torch.float64)
-        self.rewards  # evaluate (and validate) the reward table now
+        _ = self.rewards  # evaluate (and validate) the reward table now
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -308,9 +308,21 @@ class TokenMDP:
 
     # ------------------------------------------------------------------ membership
     def check_batch(self, batch: TokenBatch, *, name: str = "batch") -> None:
-        """Raise ``ValueError`` unless every sequence of ``batch`` is a valid (prompt, response)."""
+        """Raise unless ``batch`` is a float64 batch of valid (prompt, response) pairs of this MDP.
+
+        Raises
+        ------
+        TypeError
+            If ``batch`` is not a TokenBatch or its float fields are not float64 (the exact code
+            never casts silently).
+        ValueError
+            If a sequence is not a (prompt, response) of this MDP.
+        """
         if not isinstance(batch, TokenBatch):
             raise TypeError(f"{name}: expected a TokenBatch, got {type(batch).__name__}")
+        if batch.dtype != torch.float64:
+            raise TypeError(f"{name}: float fields are {batch.dtype}; the exact code needs "
+                            "float64 (use batch.to(dtype=torch.float64))")
         if batch.num_sequences == 0:
             return
         if int(batch.prompt_index.max()) >= self.num_prompts:
