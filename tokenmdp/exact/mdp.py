@@ -306,6 +306,18 @@ class TokenMDP:
         pidx, resp, lengths = self._terminal_layout
         return self.make_batch(pidx, resp, lengths)
 
+    def token_state_index(self, batch: TokenBatch) -> torch.Tensor:
+        """Long ``[R, C]``: the global id of the state each response token was drawn in, -1 elsewhere."""
+        self.check_batch(batch)
+        rpos = batch.response_position
+        pidx_RC = batch.to_tokens(batch.prompt_index)
+        out = torch.full_like(rpos, -1)
+        for t in range(self.max_len):  # loop over depths, never over sequences
+            rows, cols = (rpos == t).nonzero(as_tuple=True)
+            prefix = batch.tokens[rows[:, None], cols[:, None] - t + torch.arange(t)]
+            out[rows, cols] = self.state_index(pidx_RC[rows, cols], prefix)
+        return out
+
     # ------------------------------------------------------------------ membership
     def check_batch(self, batch: TokenBatch, *, name: str = "batch") -> None:
         """Raise unless ``batch`` is a float64 batch of valid (prompt, response) pairs of this MDP.
