@@ -1,0 +1,138 @@
+"""Aggregation: hand-worked loss weights, step counts from outside, micro-batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from estimator_helpers import DTYPE, make_batch, repack, split_rows
+
+from tokenmdp.estimators import (
+    Aggregation,
+    Estimator,
+    GroupMean,
+    PPOClip,
+    count_step,
+    loss,
+    loss_weights,
+    per_micro_batch_token_mean_loss,
+    prepare,
+)
+
+EXACT = 1e-12  # float64, one division per weight
+SUM = 1e-12  # float64 sums of a few dozen terms
+
+# Four sequences with 1, 3, 2 and 0 response tokens: N_tokens = 6 and S = 3 (the last sequence
+# has no loss token, so it does not count). Per loss token of sequence 0, 1, 2:
+#   token-mean               1/6, 1/6, 1/6
+#   seq-mean-token-mean      1/(3·1), 1/(3·3), 1/(3·2)
+#   seq-mean-token-sum       1/3 each
+#   constant (L_max = 4)     1/(3·4) each
+#   token-sum                1 each
+EXPECTED = {
+    Aggregation.TOKEN_MEAN: [1 / 6] * 3,
+    Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: [1 / 3, 1 / 9, 1 / 6],
+    Aggregation.SEQUENCE_MEAN_TOKEN_SUM: [1 / 3] * 3,
+    Aggregation.CONSTANT: [1 / 12] * 3,
+    Aggregation.TOKEN_SUM: [1.0] * 3,
+}
+
+
+def _batch():
+    return make_batch([[5], [6, 6], [7], [9]], [[1], [2, 3, 4], [1, 2], []],
+                      rewards=[1.0, 0.0, 1.0, 0.0])
+
+
+def _per_sequence_weights(batch, weights):
+    out = []
+    for s in range(3):
+        w = weights[(batch.sequence_id == s) & batch.loss_mask]
+        assert torch.allclose(w, w[0].expand_as(w), atol=0, rtol=0)  # constant in the sequence
+        out.append(w[0].item())
+    return out
+
+
+@pytest.mark.parametrize("mode", list(Aggregation))
+def test_hand_worked_loss_weights(mode):
+    batch = _batch()
+    weights = loss_weights(batch, mode, max_len=4)
+    assert _per_sequence_weights(batch, weights) == pytest.approx(EXPECTED[mode], abs=EXACT)
+    assert (weights[~batch.loss_mask] == 0).all()
+
+
+@pytest.mark.parametrize("mode", list(Aggregation))
+def test_counts_from_outside_change_the_weights_of_the_modes_that_use_them(mode):
+    batch = _batch()
+    weights = loss_weights(batch, mode, num_tokens=12, num_sequences=6, max_len=4)
+    scale = 1.0 if mode is Aggregation.TOKEN_SUM else 0.5
+    assert _per_sequence_weights(batch, weights) == pytest.approx(
+        [scale * w for w in EXPECTED[mode]], abs=EXACT)
+
+
+def test_count_step_counts_loss_tokens_and_sequences_with_any():
+    assert count_step(_batch()) == (6, 3)
+
+
+def test_bad_aggregation_arguments():
+    batch = _batch()
+    with pytest.raises(TypeError, match="mode"):
+        loss_weights(batch, "token-mean")
+    with pytest.raises(ValueError, match="max_len"):
+        loss_weights(batch, Aggregation.CONSTANT)
+    with pytest.raises(ValueError, match="max_len"):
+        loss_weights(batch, Aggregation.CONSTANT, max_len=2)  # a response has 3 tokens
+    with pytest.raises(ValueError, match="num_tokens"):
+        loss_weights(batch, Aggregation.TOKEN_MEAN, num_tokens=5)
+    with pytest.raises(ValueError, match="num_sequences"):
+        loss_weights(batch, Aggregation.SEQUENCE_MEAN_TOKEN_SUM, num_sequences=2)
+    with pytest.raises(TypeError, match="num_tokens"):
+        loss_weights(batch, Aggregation.TOKEN_MEAN, num_tokens=6.0)
+    with pytest.raises(ValueError, match="mask"):
+        loss_weights(batch, Aggregation.TOKEN_MEAN, mask=~batch.loss_mask)
+
+
+# ---------------------------------------------------------------------- micro-batch invariance
+def _step():
+    """Eight sequences of uneven lengths in two groups, packed into four rows."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [1, 4, 2, 3, 5, 1, 2, 3]
+    old = [(-torch.rand(n, generator=gen, dtype=DTYPE) - 0.1).tolist() for n in lengths]
+    batch = make_batch([[9]] * 8, [[1] * n for n in lengths],
+                       rewards=[1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0, 1.0],
+                       groups=[0, 0, 0, 0, 1, 1, 1, 1], old=old)
+    batch = repack(batch, [[0, 1, 2], [3, 4], [5, 6], [7]], capacity=10)
+    logprobs = batch.old_logprob + 0.3 * torch.randn(batch.tokens.shape, generator=gen,
+                                                     dtype=DTYPE) * batch.loss_mask
+    return batch, logprobs.requires_grad_(True)
+
+
+@pytest.mark.parametrize("mode", list(Aggregation))
+def test_micro_batch_losses_sum_to_the_full_step_loss(mode):
+    batch, lp = _step()
+    est = Estimator(surrogate=PPOClip(eps_low=0.2, eps_high=0.28), advantage=GroupMean(),
+                    aggregation=mode)
+    step = prepare(batch, est, max_len=6)
+    full, _ = loss(lp, step, est)
+    (g_full,) = torch.autograd.grad(full, lp)
+    rows = [[0], [1, 2], [3]]
+    parts = split_rows(step, rows)
+    total = sum(loss(lp[torch.as_tensor(r)], part, est)[0] for r, part in zip(rows, parts,
+                                                                             strict=True))
+    (g_parts,) = torch.autograd.grad(total, lp)
+    assert total.item() == pytest.approx(full.item(), abs=SUM)
+    assert torch.allclose(g_parts, g_full, atol=SUM, rtol=0)
+
+
+def test_per_micro_batch_normalization_is_a_different_estimator():
+    # The counter-example: token-mean over each micro-batch's own tokens. Summed over
+    # micro-batches of unequal token counts it is not the step's token mean.
+    batch, lp = _step()
+    est = Estimator(surrogate=PPOClip(), advantage=GroupMean(), aggregation=Aggregation.TOKEN_MEAN)
+    step = prepare(batch, est)
+    full, _ = loss(lp, step, est)
+    rows = [[0], [1, 2], [3]]
+    parts = split_rows(step, rows)
+    one_part, _ = per_micro_batch_token_mean_loss(lp, step, est)
+    assert one_part.item() == pytest.approx(full.item(), abs=SUM)  # same on the whole step
+    mean_of_means = sum(per_micro_batch_token_mean_loss(lp[torch.as_tensor(r)], part, est)[0]
+                        for r, part in zip(rows, parts, strict=True)) / len(rows)
+    assert abs(mean_of_means.item() - full.item()) > 1e-3

@@ -1,0 +1,97 @@
+"""The estimator library: every estimator tokenmdp teaches, written once for both worlds.
+
+An :class:`Estimator` composes five independent parts, each a set of pure functions of tensors
+over a :class:`~tokenmdp.batch.TokenBatch` (reading order):
+
+* :mod:`~tokenmdp.estimators.advantages` — rewards and groups → per-sequence advantage;
+* :mod:`~tokenmdp.estimators.surrogates`, :mod:`~tokenmdp.estimators.sequence_surrogates` —
+  the per-token term (REINFORCE, ratios, PPO clip, CISPO, MiniRL, sequence IS, GSPO);
+* :mod:`~tokenmdp.estimators.corrections` — the detached training–inference factor ``π_old/μ``;
+* :mod:`~tokenmdp.estimators.aggregation` — the per-token loss weights of the step;
+* :mod:`~tokenmdp.estimators.kl` — KL to a reference policy, in the reward or in the loss;
+
+then :mod:`~tokenmdp.estimators.estimator` (:func:`prepare` once per optimizer step, :func:`loss`
+per micro-batch) and :mod:`~tokenmdp.estimators.registry` (published algorithms by name)::
+
+    est = estimators.get("grpo")
+    batch = estimators.prepare(batch, est)             # whole step: advantages, loss weights
+    value, metrics = estimators.loss(logprobs_RC, batch, est)   # any micro-batch
+"""
+
+from tokenmdp.estimators._common import MAX_LOG_RATIO
+from tokenmdp.estimators.advantages import (
+    Advantage,
+    BatchNormalized,
+    GroupMean,
+    GroupNormalized,
+    LeaveOneOut,
+    RewardAsAdvantage,
+    batch_normalized_advantage,
+    group_mean_advantage,
+    group_normalized_advantage,
+    leave_one_out_advantage,
+    reward_advantage,
+)
+from tokenmdp.estimators.aggregation import Aggregation, count_step, loss_weights
+from tokenmdp.estimators.corrections import (
+    Correction,
+    CorrectionFactor,
+    ImportanceSampling,
+    Level,
+    MaskedIS,
+    NoCorrection,
+    TruncatedIS,
+    importance_weight,
+    level_log_weight,
+    masked_importance_weight,
+    training_inference_log_weight,
+    truncated_importance_weight,
+)
+from tokenmdp.estimators.estimator import (
+    Estimator,
+    loss,
+    per_micro_batch_token_mean_loss,
+    prepare,
+    step_counts,
+)
+from tokenmdp.estimators.kl import KLPenalty, kl_k1, kl_k2, kl_k3
+from tokenmdp.estimators.registry import describe, format_table, get, names
+from tokenmdp.estimators.sequence_surrogates import (
+    GSPO,
+    GSPOToken,
+    SequenceRatio,
+    gspo_term,
+    gspo_token_term,
+    sequence_log_ratio,
+    sequence_ratio_term,
+)
+from tokenmdp.estimators.surrogates import (
+    CISPO,
+    MiniRL,
+    PPOClip,
+    Reinforce,
+    Surrogate,
+    SurrogateTerms,
+    TokenRatio,
+    cispo_term,
+    minirl_term,
+    ppo_clip_term,
+    ppo_keep_mask,
+    reinforce_term,
+    token_ratio_term,
+)
+
+__all__ = [
+    "CISPO", "GSPO", "MAX_LOG_RATIO", "Advantage", "Aggregation", "BatchNormalized", "Correction",
+    "CorrectionFactor", "Estimator", "GSPOToken", "GroupMean", "GroupNormalized",
+    "ImportanceSampling", "KLPenalty", "LeaveOneOut", "Level", "MaskedIS", "MiniRL",
+    "NoCorrection", "PPOClip", "Reinforce", "RewardAsAdvantage", "SequenceRatio", "Surrogate",
+    "SurrogateTerms", "TokenRatio", "TruncatedIS", "batch_normalized_advantage", "cispo_term",
+    "count_step", "describe", "format_table", "get", "group_mean_advantage",
+    "group_normalized_advantage", "gspo_term", "gspo_token_term", "importance_weight", "kl_k1",
+    "kl_k2", "kl_k3", "leave_one_out_advantage", "level_log_weight", "loss", "loss_weights",
+    "masked_importance_weight", "minirl_term", "names", "per_micro_batch_token_mean_loss",
+    "ppo_clip_term", "ppo_keep_mask", "prepare", "reinforce_term", "reward_advantage",
+    "sequence_log_ratio", "sequence_ratio_term", "step_counts", "token_ratio_term",
+    "training_inference_log_weight", "truncated_importance_weight",
+]

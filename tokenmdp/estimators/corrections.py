@@ -1,0 +1,212 @@
+"""Corrections of the training–inference gap: the detached factor ``w = π_old / μ``.
+
+The full token weight decomposes exactly (Zheng et al. 2025, arXiv 2512.01374):
+``ρ_t = π_θ/μ = (π_old/μ)_t · (π_θ/π_old)_t`` — training–inference discrepancy times staleness.
+Surrogates handle ``r_t = π_θ/π_old``; a correction turns ``w`` into a per-token multiplier that
+is a constant of the step (``π_old`` and ``μ`` do not depend on θ, so there is nothing to detach):
+
+* none — ablation ("w/o train-infer IS");
+* IS — ``w``;
+* truncated IS (TIS, Yao et al. 2025, "Your efficient RL framework secretly brings you
+  off-policy RL training") — ``min(w, C)``;
+* masked IS (MIS; IcePop, arXiv 2510.18855, uses the band ``[0.5, 5]``) — ``w · 1{α <= w <= β}``.
+
+Each at one of three :class:`Level` s: per token ``w_t``; per sequence the product
+``W_i = Π_t w_t`` (log space); or per sequence the geometric mean ``exp(mean_t log w_t)``. A
+sequence-level factor multiplies every token of its sequence. Masked IS states whether rejected
+tokens stay in the loss normalizer (most frameworks keep them: masking shrinks the step rather
+than re-weighting the rest); :func:`~tokenmdp.estimators.prepare` reads that choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import NamedTuple
+
+import torch
+
+from tokenmdp.batch import TokenBatch
+from tokenmdp.estimators._common import (
+    MAX_LOG_RATIO,
+    capped_exp,
+    check_positive,
+    loss_token_counts,
+    require,
+    sequence_sum,
+    to_tokens,
+)
+
+__all__ = [
+    "Correction", "CorrectionFactor", "ImportanceSampling", "Level", "MaskedIS", "NoCorrection",
+    "TruncatedIS", "importance_weight", "level_log_weight", "masked_importance_weight",
+    "training_inference_log_weight", "truncated_importance_weight",
+]
+
+
+class Level(enum.Enum):
+    """Where the factor ``w`` is formed: per token, per sequence (product), geometric mean."""
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+    GEOMETRIC = "geometric"
+
+
+class CorrectionFactor(NamedTuple):
+    """A correction's output: ``factor_RC`` (None = 1) and ``keep_RC`` (None = all kept)."""
+
+    factor_RC: torch.Tensor | None
+    keep_RC: torch.Tensor | None
+
+
+def training_inference_log_weight(old_logprobs_RC: torch.Tensor, behavior_logprobs_RC: torch.Tensor,
+                                  loss_mask_RC: torch.Tensor) -> torch.Tensor:
+    """``log w_t = log π_old(y_t) - log μ(y_t)`` on loss tokens, 0 elsewhere."""
+    log_w = old_logprobs_RC - behavior_logprobs_RC
+    return torch.where(loss_mask_RC, log_w, 0.0)
+
+
+def level_log_weight(log_w_RC: torch.Tensor, batch: TokenBatch, level: Level) -> torch.Tensor:
+    """``log w`` at ``level``, per token: ``log w_t``; ``sum_t log w_t`` (sequence, the log of
+    the product); or ``mean_t log w_t`` (geometric) of the token's sequence. ``log_w_RC`` must be
+    0 off loss tokens (as :func:`training_inference_log_weight` returns)."""
+    if level is Level.TOKEN:
+        return log_w_RC
+    if not isinstance(level, Level):
+        raise TypeError(f"level: expected a Level, got {type(level).__name__} {level!r}")
+    log_w_S = sequence_sum(log_w_RC, batch)
+    if level is Level.GEOMETRIC:
+        log_w_S = log_w_S / loss_token_counts(batch).clamp(min=1)
+    return to_tokens(log_w_S, batch)
+
+
+def importance_weight(log_w_RC: torch.Tensor, *, bound: float = MAX_LOG_RATIO) -> torch.Tensor:
+    """IS: ``w = exp(log w)``, held at ``e^bound`` (default e^20) so products of thousands of
+    tokens stay finite."""
+    return capped_exp(log_w_RC, bound=bound)
+
+
+def truncated_importance_weight(log_w_RC: torch.Tensor, *, cap: float) -> torch.Tensor:
+    """TIS: ``min(w, C)`` computed as ``exp(min(log w, log C))`` (Yao et al. 2025)."""
+    check_positive("cap", cap)
+    return torch.exp(log_w_RC.clamp(max=math.log(cap)))
+
+
+def masked_importance_weight(log_w_RC: torch.Tensor, *, low: float, high: float
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MIS: ``(w · 1{low <= w <= high}, keep)`` with ``keep = 1{low <= w <= high}`` (IcePop,
+    arXiv 2510.18855). ``low = 0`` is a one-sided threshold ``w <= high``."""
+    if not (0 <= low < high):
+        raise ValueError(f"low, high: need 0 <= low < high, got low={low}, high={high}")
+    log_high = math.log(high)
+    keep = log_w_RC <= log_high
+    if low > 0:
+        keep = keep & (log_w_RC >= math.log(low))
+    weight = torch.exp(log_w_RC.clamp(max=log_high))
+    return torch.where(keep, weight, 0.0), keep
+
+
+# ---------------------------------------------------------------------- composable parts
+class Correction:
+    """Base of the correction parts: ``part(batch) -> CorrectionFactor``.
+
+    A part that rejects tokens (returns ``keep_RC``) must also have a bool attribute
+    ``masked_in_normalizer``, read by :func:`~tokenmdp.estimators.prepare`.
+    """
+
+    requires: tuple[str, ...] = ("old_logprob", "behavior_logprob")
+
+    def __call__(self, batch: TokenBatch) -> CorrectionFactor:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """Short label for tables."""
+        raise NotImplementedError
+
+    def _log_w(self, batch: TokenBatch) -> torch.Tensor:
+        who = f"correction {self.describe()}"
+        log_w = training_inference_log_weight(require(batch, "old_logprob", who),
+                                              require(batch, "behavior_logprob", who),
+                                              batch.loss_mask)
+        return level_log_weight(log_w, batch, self.level)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCorrection(Correction):
+    """No training–inference correction (factor 1): the ablation "w/o train-infer IS"."""
+
+    requires = ()
+
+    def __call__(self, batch):
+        return CorrectionFactor(None, None)
+
+    def describe(self) -> str:
+        return "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportanceSampling(Correction):
+    """Multiply by ``w = π_old/μ`` at ``level`` (:func:`importance_weight`)."""
+
+    level: Level = Level.TOKEN
+    """Token ``w_t``, sequence ``Π_t w_t`` or geometric mean ``exp(mean_t log w_t)``."""
+
+    def __call__(self, batch):
+        return CorrectionFactor(importance_weight(self._log_w(batch)), None)
+
+    def describe(self) -> str:
+        return f"IS ({self.level.value})"
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncatedIS(Correction):
+    """Multiply by ``min(w, C)`` at ``level`` (:func:`truncated_importance_weight`)."""
+
+    cap: float = 2.0
+    """``C`` (Yao et al. 2025 use 2; MiniRL, arXiv 2512.01374, uses 5)."""
+    level: Level = Level.TOKEN
+    """Token, sequence or geometric-mean factor."""
+
+    def __post_init__(self):
+        check_positive("cap", self.cap)
+
+    def __call__(self, batch):
+        return CorrectionFactor(truncated_importance_weight(self._log_w(batch), cap=self.cap), None)
+
+    def describe(self) -> str:
+        return f"TIS C={self.cap:g} ({self.level.value})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MaskedIS(Correction):
+    """Multiply by ``w · 1{low <= w <= high}`` at ``level`` (:func:`masked_importance_weight`).
+
+    ``masked_in_normalizer`` has no default: say whether rejected tokens still count in the
+    aggregation's ``N_tokens``, ``S`` and ``|y_i|`` (True, as most frameworks do) or leave them.
+    """
+
+    high: float
+    """Upper threshold ``β`` (IcePop 5; a one-sided MIS threshold is often 2)."""
+    masked_in_normalizer: bool
+    """True: rejected tokens stay in the normalizer (they shrink the step); False: they leave it."""
+    low: float = 0.0
+    """Lower threshold ``α`` (0 = one-sided; IcePop 0.5)."""
+    level: Level = Level.TOKEN
+    """Token, sequence or geometric-mean factor; a sequence-level reject drops the sequence."""
+
+    def __post_init__(self):
+        check_positive("high", self.high)
+        if not 0 <= self.low < self.high:
+            raise ValueError(f"low: need 0 <= low < high, got low={self.low}, high={self.high}")
+        if not isinstance(self.masked_in_normalizer, bool):
+            raise TypeError("masked_in_normalizer: expected a bool")
+
+    def __call__(self, batch):
+        factor, keep = masked_importance_weight(self._log_w(batch), low=self.low, high=self.high)
+        return CorrectionFactor(factor, keep)
+
+    def describe(self) -> str:
+        band = f"[{self.low:g}, {self.high:g}]" if self.low > 0 else f"<= {self.high:g}"
+        norm = "kept in" if self.masked_in_normalizer else "out of"
+        return f"MIS {band} ({self.level.value}; masked {norm} normalizer)"

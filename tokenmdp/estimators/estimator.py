@@ -1,0 +1,212 @@
+"""An estimator is a frozen composition of parts; ``prepare`` once per step, ``loss`` per batch.
+
+* :func:`prepare` runs once for the whole optimizer step, before any split into micro-batches:
+  a KL-in-reward penalty enters the reward, group statistics give ``advantage`` (they need whole
+  groups), and the step's counts give ``loss_weight``.
+* :func:`loss` runs on any micro-batch, on any rank: it reads ``advantage`` and ``loss_weight``
+  and never recomputes them, so the micro-batch losses sum to the full-step loss.
+
+``loss = -Σ_{loss tokens} loss_weight · term``, where
+``term = c · surrogate - β k`` (``c`` the detached correction factor ``π_old/μ``, ``β k`` a
+KL-in-loss penalty).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tokenmdp.batch import TokenBatch
+from tokenmdp.estimators._common import (
+    capped_exp,
+    check_like_tokens,
+    masked_mean,
+    require,
+    to_tokens,
+)
+from tokenmdp.estimators.advantages import Advantage, RewardAsAdvantage
+from tokenmdp.estimators.aggregation import Aggregation, count_step, loss_weights
+from tokenmdp.estimators.corrections import Correction, NoCorrection
+from tokenmdp.estimators.kl import KLPenalty
+from tokenmdp.estimators.surrogates import Surrogate
+
+__all__ = ["Estimator", "loss", "per_micro_batch_token_mean_loss", "prepare", "step_counts"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Estimator:
+    """A policy-gradient estimator as five independent parts (``../shared/DESIGN.md``)."""
+
+    surrogate: Surrogate
+    """Per-token term and its ratio (:mod:`~tokenmdp.estimators.surrogates`)."""
+    advantage: Advantage = RewardAsAdvantage()
+    """Rewards and groups → per-sequence advantage (:mod:`~tokenmdp.estimators.advantages`)."""
+    correction: Correction = NoCorrection()
+    """The training–inference factor ``π_old/μ`` (:mod:`~tokenmdp.estimators.corrections`)."""
+    aggregation: Aggregation = Aggregation.TOKEN_MEAN
+    """The loss-weight rule (:mod:`~tokenmdp.estimators.aggregation`)."""
+    kl: KLPenalty | None = None
+    """KL penalty to a reference policy, or None (:mod:`~tokenmdp.estimators.kl`)."""
+    name: str = "custom"
+    """Registry name, used in messages and tables."""
+
+    def __post_init__(self):
+        for field, kind in (("surrogate", Surrogate), ("advantage", Advantage),
+                            ("correction", Correction), ("aggregation", Aggregation)):
+            value = getattr(self, field)
+            if not isinstance(value, kind):
+                raise TypeError(f"Estimator.{field}: expected a {kind.__name__}, got "
+                                f"{type(value).__name__} {value!r}")
+        if self.kl is not None and not isinstance(self.kl, KLPenalty):
+            raise TypeError(f"Estimator.kl: expected a KLPenalty or None, got {self.kl!r}")
+
+    def replace(self, **changes) -> Estimator:
+        """A copy with some parts replaced."""
+        return dataclasses.replace(self, **changes)
+
+    def requires(self, stage: str) -> tuple[str, ...]:
+        """Batch fields read by ``prepare`` (``stage='prepare'``) or ``loss`` (``'loss'``)."""
+        needs = list(self.correction.requires)
+        if stage == "loss":
+            needs += self.surrogate.requires
+        if self.kl is not None and self.kl.in_reward == (stage == "prepare"):
+            needs += self.kl.requires
+        return tuple(dict.fromkeys(needs))
+
+    def _check(self, batch: TokenBatch, stage: str) -> None:
+        if not isinstance(batch, TokenBatch):
+            raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
+        for field in self.requires(stage):
+            require(batch, field, f"estimator {self.name!r} ({stage})")
+
+
+def _counted_mask(batch: TokenBatch, estimator: Estimator) -> torch.Tensor:
+    """Loss tokens that count in the normalizer: masked-IS rejects leave it only if told to."""
+    keep = estimator.correction(batch).keep_RC
+    if keep is None or estimator.correction.masked_in_normalizer:
+        return batch.loss_mask
+    return batch.loss_mask & keep
+
+
+def step_counts(batch: TokenBatch, estimator: Estimator) -> tuple[int, int]:
+    """``(num_tokens, num_sequences)`` that :func:`prepare` counts in ``batch`` by default.
+
+    For a step spread over several batches or ranks, sum these (all-reduce) and pass the sums to
+    :func:`prepare` of each part.
+    """
+    estimator._check(batch, "prepare")
+    return count_step(batch, _counted_mask(batch, estimator))
+
+
+def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None = None,
+            num_sequences: int | None = None, max_len: int | None = None) -> TokenBatch:
+    """Fill ``advantage`` and ``loss_weight`` once for the whole optimizer step.
+
+    1. a KL-in-reward penalty ``β Σ_t k_t`` (from ``old_logprob`` and ``ref_logprob``) is
+       subtracted from ``reward`` (the returned batch keeps the environment reward);
+    2. ``advantage`` = the estimator's advantage of each sequence on its loss tokens, 0 elsewhere
+       (``batch`` must hold whole groups);
+    3. ``loss_weight`` = :func:`~tokenmdp.estimators.loss_weights` of the estimator's
+       aggregation, with ``num_tokens``, ``num_sequences`` (default: this batch's, see
+       :func:`step_counts`) and ``max_len`` (``L_max``, needed by ``Aggregation.CONSTANT``).
+    """
+    estimator._check(batch, "prepare")
+    reward_S = batch.reward
+    if estimator.kl is not None and estimator.kl.in_reward:
+        reward_S = reward_S - estimator.kl.reward_penalty(batch)
+    advantage_S = estimator.advantage(reward_S, batch.group)
+    advantage_RC = torch.where(batch.loss_mask, to_tokens(advantage_S, batch), 0.0)
+    weights = loss_weights(batch, estimator.aggregation, num_tokens=num_tokens,
+                           num_sequences=num_sequences, max_len=max_len,
+                           mask=_counted_mask(batch, estimator))
+    return batch.replace(advantage=advantage_RC, loss_weight=weights)
+
+
+def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator
+         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``loss = -Σ_{loss tokens} loss_weight · (c · surrogate - β k)`` and metrics.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token given its prefix (differentiable), aligned with
+        ``batch.tokens``; values off ``loss_mask`` are ignored (replaced by 0 before use).
+    batch : TokenBatch
+        A prepared batch (:func:`prepare`) or a part of one; ``advantage`` and ``loss_weight``
+        are read as they are.
+    estimator : Estimator
+
+    Returns
+    -------
+    loss : scalar tensor
+    metrics : dict of detached scalar tensors, computed under ``no_grad``
+        ``tokens`` (loss tokens of this batch); ``clip_fraction`` (where the surrogate's clip or
+        mask was active) and ``masked_fraction`` (rejected by masked IS); when ``old_logprob`` is
+        present ``r_min/r_mean/r_max`` (``r = π_θ/π_old``), when ``behavior_logprob`` is present
+        ``rho_min/rho_mean/rho_max`` (``ρ = π_θ/μ``), with both ``train_infer_kl_k1/k3``
+        (``KL(μ ‖ π_old)`` per token, k1 and k3 forms), and with a KL-in-loss penalty
+        ``kl_ref`` (mean of its estimator ``k(π_θ, π_ref)``). Over zero loss tokens fractions
+        and KLs are 0 and ratio statistics 1 (neutral values, no NaN).
+    """
+    estimator._check(batch, "loss")
+    check_like_tokens("logprobs_RC", logprobs_RC, batch.advantage)
+    mask = batch.loss_mask
+    logprobs_RC = torch.where(mask, logprobs_RC, 0.0)
+    terms = estimator.surrogate(logprobs_RC, batch)
+    factor = estimator.correction(batch)
+    term = terms.term_RC if factor.factor_RC is None else terms.term_RC * factor.factor_RC
+    k_RC = None
+    if estimator.kl is not None and not estimator.kl.in_reward:
+        penalty_RC, k_RC = estimator.kl.loss_penalty(logprobs_RC, batch)
+        term = term - penalty_RC
+    weighted = torch.where(mask, batch.loss_weight * term, 0.0)
+    total = -weighted.sum()
+    with torch.no_grad():
+        metrics = _metrics(logprobs_RC, batch, terms.clipped_RC, factor.keep_RC, k_RC)
+    return total, metrics
+
+
+def _metrics(logprobs_RC, batch, clipped_RC, keep_RC, k_RC) -> dict[str, torch.Tensor]:
+    mask = batch.loss_mask
+    count = mask.sum().to(batch.dtype)
+    zero = count.new_zeros(())
+    out = {"tokens": count}
+    out["clip_fraction"] = (zero if clipped_RC is None
+                            else masked_mean(clipped_RC.to(batch.dtype), mask, count, empty=0.0))
+    out["masked_fraction"] = (zero if keep_RC is None
+                              else masked_mean((~keep_RC).to(batch.dtype), mask, count, empty=0.0))
+    lp = logprobs_RC  # under no_grad: values only
+    has = count > 0
+    for key, ref in (("r", batch.old_logprob), ("rho", batch.behavior_logprob)):
+        if ref is None:
+            continue
+        log_ratio = lp - ref
+        # min and max of the ratio are those of the log-ratio, exponentiated as scalars
+        lo = torch.where(mask, log_ratio, float("inf")).amin()
+        hi = torch.where(mask, log_ratio, -float("inf")).amax()
+        out[f"{key}_min"] = torch.where(has, capped_exp(lo), 1.0)
+        out[f"{key}_mean"] = masked_mean(capped_exp(log_ratio), mask, count, empty=1.0)
+        out[f"{key}_max"] = torch.where(has, capped_exp(hi), 1.0)
+    if batch.old_logprob is not None and batch.behavior_logprob is not None:
+        log_q = batch.old_logprob - batch.behavior_logprob  # log(π_old/μ), tokens drawn from μ
+        out["train_infer_kl_k1"] = masked_mean(-log_q, mask, count, empty=0.0)
+        out["train_infer_kl_k3"] = masked_mean(capped_exp(log_q) - 1 - log_q, mask, count,
+                                               empty=0.0)
+    if k_RC is not None:  # the estimate k of KL(π_θ ‖ π_ref) of a KL-in-loss penalty
+        out["kl_ref"] = masked_mean(k_RC, mask, count, empty=0.0)
+    return out
+
+
+def per_micro_batch_token_mean_loss(logprobs_RC: torch.Tensor, batch: TokenBatch,
+                                    estimator: Estimator
+                                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """COUNTER-EXAMPLE, do not train with it: :func:`loss` with token-mean weights recomputed from
+    this micro-batch's own token count, ignoring ``batch.loss_weight``.
+
+    This is the per-micro-batch normalization many frameworks shipped (TRL's ``bnpo``; gradient
+    accumulation over micro-batch means): the estimator then depends on how the step is split, so
+    it fails the layout and micro-batch invariance checks that :func:`loss` passes.
+    """
+    own = loss_weights(batch, Aggregation.TOKEN_MEAN)
+    return loss(logprobs_RC, batch.replace(loss_weight=own), estimator)

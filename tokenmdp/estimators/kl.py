@@ -1,0 +1,105 @@
+"""KL regularization to a reference policy: the estimators k1, k2, k3 and where they are placed.
+
+Per token, with ``log r = log π_ref - log π_θ`` (Schulman 2020, "Approximating KL divergence",
+http://joschu.net/blog/kl-approx.html): ``k1 = -log r``, ``k2 = ½ (log r)²``,
+``k3 = (r - 1) - log r``. Each is an unbiased (k1) or low-variance (k2, k3) estimate of
+``KL(π_θ ‖ π_ref)`` at a token sampled from ``π_θ``, but **placement changes the gradient**:
+
+* k1 in the (detached) reward: ``R - β Σ_t k1_t`` gives ``∇(J - β KL(π_θ‖π_ref))`` over
+  sequences, the reverse KL (the classic RLHF penalty, Ouyang et al., arXiv 2203.02155);
+* k1 in the loss: ``E_π[∇ log π] = 0``, zero gradient in expectation;
+* k2 in the loss: ``E_π[log(π/π_ref) ∇log π]``, the reverse-KL gradient per state;
+* k3 in the loss (GRPO's default, arXiv 2402.03300 Eq. 4): ``-E_π[(π_ref/π) ∇log π] =
+  ∇ KL(π_ref ‖ π)``, the *forward*-KL gradient per state.
+
+Off-policy samples need the detached weight ``π_θ/μ`` on loss-placed terms
+(``importance_weighted=True``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from tokenmdp.batch import TokenBatch
+from tokenmdp.estimators._common import capped_exp, check_nonnegative, require, sequence_sum
+
+__all__ = ["KLPenalty", "kl_k1", "kl_k2", "kl_k3"]
+
+
+def kl_k1(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Tensor:
+    """``k1 = -log r = log π_θ - log π_ref`` (Schulman 2020)."""
+    return logprobs_RC - ref_logprobs_RC
+
+
+def kl_k2(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Tensor:
+    """``k2 = ½ (log r)²``, ``log r = log π_ref - log π_θ`` (Schulman 2020)."""
+    return 0.5 * (ref_logprobs_RC - logprobs_RC).square()
+
+
+def kl_k3(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Tensor:
+    """``k3 = (r - 1) - log r``, ``r = π_ref/π_θ`` (Schulman 2020; verl ``low_var_kl``).
+
+    ``r`` is held at ``e^20`` (beyond it only the ``-log r`` part carries gradient).
+    """
+    log_r = ref_logprobs_RC - logprobs_RC
+    return capped_exp(log_r) - 1 - log_r
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KLPenalty:
+    """A KL penalty ``β · k`` to a reference policy, placed in the reward or in the loss."""
+
+    coef: float
+    """``β >= 0`` (GRPO 0.04)."""
+    in_reward: bool
+    """True: ``R_i ← R_i - β Σ_t k_t`` before advantages, with ``k`` at ``π_old`` (detached data);
+    False: ``β k_t`` is subtracted from each token's term in the loss."""
+    estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = kl_k3
+    """``k(logprobs_RC, ref_logprobs_RC) -> [R, C]``: :func:`kl_k1`, :func:`kl_k2` or
+    :func:`kl_k3`."""
+    importance_weighted: bool = False
+    """Loss placement only: multiply each ``k_t`` by ``sg(π_θ/μ)`` (needs ``behavior_logprob``)."""
+
+    def __post_init__(self):
+        check_nonnegative("coef", self.coef)
+        if not callable(self.estimator):
+            raise TypeError(f"estimator: expected a callable such as kl_k3, got {self.estimator!r}")
+        if self.in_reward and self.importance_weighted:
+            raise ValueError("importance_weighted: applies to the loss placement only "
+                             "(in_reward=True samples the penalty from the data as it is)")
+
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """Batch fields the penalty reads."""
+        if self.in_reward:
+            return ("old_logprob", "ref_logprob")
+        return ("ref_logprob", "behavior_logprob") if self.importance_weighted else ("ref_logprob",)
+
+    def reward_penalty(self, batch: TokenBatch) -> torch.Tensor:
+        """Float ``[S]``: ``β Σ_t k(log π_old, log π_ref)`` over each sequence's loss tokens."""
+        who = "a KL penalty in the reward"
+        k = self.estimator(require(batch, "old_logprob", who), require(batch, "ref_logprob", who))
+        return self.coef * sequence_sum(torch.where(batch.loss_mask, k, 0.0), batch)
+
+    def loss_penalty(self, logprobs_RC: torch.Tensor, batch: TokenBatch
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(β k · [sg(π_θ/μ)], k)`` per token ``[R, C]``, ``k = k(log π_θ, log π_ref)``."""
+        who = "a KL penalty in the loss"
+        k = self.estimator(logprobs_RC, require(batch, "ref_logprob", who))
+        penalty = self.coef * k
+        if self.importance_weighted:
+            # sg(π_θ/μ): an importance weight on the sample, not a path for the gradient, so the
+            # estimate is E_μ[(π_θ/μ) ∇k] = E_π[∇k] off-policy.
+            penalty = penalty * capped_exp(logprobs_RC.detach()
+                                           - require(batch, "behavior_logprob", who))
+        return penalty, k
+
+    def describe(self) -> str:
+        """Short label for tables."""
+        name = getattr(self.estimator, "__name__", repr(self.estimator)).removeprefix("kl_")
+        place = "reward" if self.in_reward else "loss"
+        weighted = ", IS-weighted" if self.importance_weighted else ""
+        return f"{name} in {place}, coef={self.coef:g}{weighted}"

@@ -1,0 +1,255 @@
+"""Token-level surrogates: the per-token term whose weighted sum is the (negated) loss.
+
+Notation (``../shared/ESTIMATORS.md``): ``r_t = π_θ/π_old`` (staleness ratio, the one every clip
+uses), ``Â`` the token's advantage, ``sg`` stop-gradient, ``M_t`` the PPO mask. Each function
+takes the per-token tensors ``[R, C]`` and returns :class:`SurrogateTerms`: the term (a function
+of ``logprobs_RC`` for autograd) and, detached, where a clip or mask was active. Ratios are
+``exp(min(log r, MAX_LOG_RATIO))`` (see :data:`~tokenmdp.estimators._common.MAX_LOG_RATIO`):
+beyond ``e^20`` a ratio is held constant and its token gets no gradient through it.
+
+The training–inference factor ``π_old/μ`` is not a surrogate's business: a
+:mod:`~tokenmdp.estimators.corrections` part multiplies the term by it, so ``token IS`` (Qwen,
+arXiv 2512.01374 Eq. 3: ``ρ_t Â`` with ``ρ_t = π_θ/μ``) is :class:`TokenRatio` times
+:class:`~tokenmdp.estimators.ImportanceSampling`. Sequence-level surrogates are in
+:mod:`tokenmdp.estimators.sequence_surrogates`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from tokenmdp.batch import TokenBatch
+from tokenmdp.estimators._common import capped_exp, check_nonnegative, require
+
+__all__ = [
+    "CISPO", "PPOClip", "MiniRL", "Reinforce", "Surrogate", "SurrogateTerms", "TokenRatio",
+    "cispo_term", "minirl_term", "ppo_clip_term", "ppo_keep_mask", "reinforce_term",
+    "token_ratio_term",
+]
+
+
+class SurrogateTerms(NamedTuple):
+    """A surrogate's output: the per-token term ``[R, C]`` and, detached, the bool ``[R, C]``
+    where a clip or mask was active (None when the surrogate has none)."""
+
+    term_RC: torch.Tensor
+    clipped_RC: torch.Tensor | None
+
+
+def _check_eps(eps_low: float, eps_high: float) -> None:
+    check_nonnegative("eps_low", eps_low)
+    check_nonnegative("eps_high", eps_high)
+
+
+def _check_dual_clip(dual_clip: float | None) -> None:
+    check_nonnegative("dual_clip", dual_clip, allow_none=True)
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip: the dual-clip constant c must be > 1, got {dual_clip}")
+
+
+def reinforce_term(logprobs_RC: torch.Tensor, advantages_RC: torch.Tensor) -> SurrogateTerms:
+    """``Â log π_θ`` (REINFORCE / weighted NLL; Williams 1992). Gradient ``Â ∇log π_θ``."""
+    return SurrogateTerms(advantages_RC * logprobs_RC, None)
+
+
+def token_ratio_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
+                     advantages_RC: torch.Tensor) -> SurrogateTerms:
+    """``r_t Â``: the unclipped surrogate of CPI (Kakade & Langford 2002) and TRPO (1502.05477).
+
+    Gradient ``r_t Â ∇log π_θ``; with an IS correction the token weight is ``ρ_t`` and this is
+    Qwen's token-level IS objective (arXiv 2512.01374, Eq. 3), the gradient of ``L_μ(π_θ)``.
+    """
+    return SurrogateTerms(capped_exp(logprobs_RC - old_logprobs_RC) * advantages_RC, None)
+
+
+def ppo_keep_mask(ratio_RC: torch.Tensor, advantages_RC: torch.Tensor, *, eps_low: float,
+                  eps_high: float, dual_clip: float | None = None) -> torch.Tensor:
+    """The PPO mask ``M_t`` (bool): False iff ``Â>0, r>1+ε_high`` or ``Â<0, r<1-ε_low`` (or,
+    with dual clip ``c``, ``Â<0, r>c``) — exactly the tokens whose PPO-clip gradient is zero."""
+    _check_eps(eps_low, eps_high)
+    _check_dual_clip(dual_clip)
+    pos, neg = advantages_RC > 0, advantages_RC < 0
+    dropped = (pos & (ratio_RC > 1 + eps_high)) | (neg & (ratio_RC < 1 - eps_low))
+    if dual_clip is not None:
+        dropped = dropped | (neg & (ratio_RC > dual_clip))
+    return ~dropped
+
+
+def ppo_clip_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
+                  advantages_RC: torch.Tensor, *, eps_low: float, eps_high: float,
+                  dual_clip: float | None = None) -> SurrogateTerms:
+    """``min(r_t Â, clip(r_t, 1-ε_low, 1+ε_high) Â)`` (PPO, arXiv 1707.06347, Eq. 7; separate
+    ε_low/ε_high: DAPO's clip-higher, arXiv 2503.14476); with ``dual_clip = c`` and ``Â < 0``:
+    ``max(min(...), c Â)`` (Ye et al., arXiv 1912.09729). Gradient ``M_t r_t Â ∇log π_θ``."""
+    _check_eps(eps_low, eps_high)
+    _check_dual_clip(dual_clip)
+    ratio = capped_exp(logprobs_RC - old_logprobs_RC)
+    term = torch.minimum(ratio * advantages_RC,
+                         ratio.clamp(1 - eps_low, 1 + eps_high) * advantages_RC)
+    if dual_clip is not None:
+        term = torch.where(advantages_RC < 0, torch.maximum(term, dual_clip * advantages_RC), term)
+    with torch.no_grad():
+        clipped = ~ppo_keep_mask(ratio, advantages_RC, eps_low=eps_low, eps_high=eps_high,
+                                 dual_clip=dual_clip)
+    return SurrogateTerms(term, clipped)
+
+
+def cispo_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
+               advantages_RC: torch.Tensor, *, eps_low: float, eps_high: float,
+               mask_eps_low: float | None = None, mask_eps_high: float | None = None
+               ) -> SurrogateTerms:
+    """``sg(clip(r_t, 1-ε_low, 1+ε_high)) Â log π_θ`` (CISPO, MiniMax-M1, arXiv 2506.13585).
+
+    Clipped tokens keep their gradient ``clip(r_t) Â ∇log π_θ``. With ``mask_eps_low`` and
+    ``mask_eps_high`` it is the paper's unified form, multiplied by the PPO mask ``M_t`` taken
+    with those ε (both or neither). ``clipped_RC`` marks tokens whose weight was clipped or masked.
+    """
+    _check_eps(eps_low, eps_high)
+    if (mask_eps_low is None) != (mask_eps_high is None):
+        raise ValueError("mask_eps_low, mask_eps_high: give both (unified form) or neither")
+    # sg(r): CISPO's IS weight is a constant of the gradient, ∇term = clip(r) Â ∇log π.
+    ratio = capped_exp(logprobs_RC.detach() - old_logprobs_RC)
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high)
+    clipped = weight != ratio
+    if mask_eps_low is not None:
+        keep = ppo_keep_mask(ratio, advantages_RC, eps_low=mask_eps_low, eps_high=mask_eps_high)
+        weight = weight * keep
+        clipped = clipped | ~keep
+    return SurrogateTerms(weight * advantages_RC * logprobs_RC, clipped)
+
+
+def minirl_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
+                advantages_RC: torch.Tensor, *, eps_low: float, eps_high: float) -> SurrogateTerms:
+    """``M_t sg(r_t) Â log π_θ`` (MiniRL, Zheng et al., arXiv 2512.01374), ``M_t`` the PPO mask.
+
+    Times the correction factor ``π_old/μ`` this is the paper's ``M_t sg(ρ_t) Â log π_θ``. Its
+    gradient ``M_t r_t Â ∇log π_θ`` is PPO-clip's; only the loss value differs.
+    """
+    _check_eps(eps_low, eps_high)
+    # sg(r): the ratio weights the score, ∇term = M r Â ∇log π (the PPO-clip gradient).
+    ratio = capped_exp(logprobs_RC.detach() - old_logprobs_RC)
+    keep = ppo_keep_mask(ratio, advantages_RC, eps_low=eps_low, eps_high=eps_high)
+    return SurrogateTerms(torch.where(keep, ratio, 0.0) * advantages_RC
+                          * logprobs_RC, ~keep)
+
+
+# ---------------------------------------------------------------------- composable parts
+class Surrogate:
+    """Base of the surrogate parts: ``part(logprobs_RC, batch) -> SurrogateTerms``.
+
+    ``requires`` names the batch fields the part reads besides ``advantage``.
+    """
+
+    requires: tuple[str, ...] = ("old_logprob",)
+
+    def __call__(self, logprobs_RC: torch.Tensor, batch: TokenBatch) -> SurrogateTerms:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """Short label for tables."""
+        raise NotImplementedError
+
+    def _old(self, batch: TokenBatch) -> torch.Tensor:
+        return require(batch, "old_logprob", f"surrogate {self.describe()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reinforce(Surrogate):
+    """``Â log π_θ`` (:func:`reinforce_term`); reads no old log-probs."""
+
+    requires = ()
+
+    def __call__(self, logprobs_RC, batch):
+        return reinforce_term(logprobs_RC, batch.advantage)
+
+    def describe(self) -> str:
+        return "A log pi (REINFORCE)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRatio(Surrogate):
+    """``r_t Â`` (:func:`token_ratio_term`)."""
+
+    def __call__(self, logprobs_RC, batch):
+        return token_ratio_term(logprobs_RC, self._old(batch), batch.advantage)
+
+    def describe(self) -> str:
+        return "r A (token ratio)"
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOClip(Surrogate):
+    """``min(r Â, clip(r, 1-ε_low, 1+ε_high) Â)``, optional dual clip (:func:`ppo_clip_term`)."""
+
+    eps_low: float = 0.2
+    """ε_low: lower clip ``1 - ε_low`` (PPO 0.2)."""
+    eps_high: float = 0.2
+    """ε_high: upper clip ``1 + ε_high`` (PPO 0.2; DAPO's clip-higher 0.28)."""
+    dual_clip: float | None = None
+    """Dual-clip constant ``c > 1`` for ``Â < 0`` (Ye et al. use 3), or None."""
+
+    def __post_init__(self):
+        _check_eps(self.eps_low, self.eps_high)
+        _check_dual_clip(self.dual_clip)
+
+    def __call__(self, logprobs_RC, batch):
+        return ppo_clip_term(logprobs_RC, self._old(batch), batch.advantage, eps_low=self.eps_low,
+                             eps_high=self.eps_high, dual_clip=self.dual_clip)
+
+    def describe(self) -> str:
+        dual = f", dual c={self.dual_clip:g}" if self.dual_clip is not None else ""
+        return f"PPO clip [1-{self.eps_low:g}, 1+{self.eps_high:g}]{dual}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CISPO(Surrogate):
+    """``[M_t] sg(clip(r)) Â log π_θ`` (:func:`cispo_term`)."""
+
+    eps_low: float = 1.0
+    """ε_low^IS; the paper sets no lower bound (1.0 gives the bound 0, i.e. none)."""
+    eps_high: float = 0.2
+    """ε_high^IS; tuned in the paper without one reported value (verl's example uses 0.2)."""
+    mask_eps_low: float | None = None
+    """ε_low of the PPO mask ``M_t`` of the unified form, or None (plain CISPO)."""
+    mask_eps_high: float | None = None
+    """ε_high of the PPO mask ``M_t`` of the unified form, or None."""
+
+    def __post_init__(self):
+        _check_eps(self.eps_low, self.eps_high)
+        if (self.mask_eps_low is None) != (self.mask_eps_high is None):
+            raise ValueError("mask_eps_low, mask_eps_high: give both (unified form) or neither")
+        if self.mask_eps_low is not None:
+            _check_eps(self.mask_eps_low, self.mask_eps_high)
+
+    def __call__(self, logprobs_RC, batch):
+        return cispo_term(logprobs_RC, self._old(batch), batch.advantage, eps_low=self.eps_low,
+                          eps_high=self.eps_high, mask_eps_low=self.mask_eps_low,
+                          mask_eps_high=self.mask_eps_high)
+
+    def describe(self) -> str:
+        mask = ("" if self.mask_eps_low is None
+                else f", M [1-{self.mask_eps_low:g}, 1+{self.mask_eps_high:g}]")
+        return f"CISPO sg(clip(r, 1-{self.eps_low:g}, 1+{self.eps_high:g})) A log pi{mask}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MiniRL(Surrogate):
+    """``M_t sg(r_t) Â log π_θ`` (:func:`minirl_term`)."""
+
+    eps_low: float = 0.2
+    """ε_low of the mask (MiniRL 0.2)."""
+    eps_high: float = 0.27
+    """ε_high of the mask (MiniRL 0.27)."""
+
+    def __post_init__(self):
+        _check_eps(self.eps_low, self.eps_high)
+
+    def __call__(self, logprobs_RC, batch):
+        return minirl_term(logprobs_RC, self._old(batch), batch.advantage, eps_low=self.eps_low,
+                           eps_high=self.eps_high)
+
+    def describe(self) -> str:
+        return f"M sg(r) A log pi, M [1-{self.eps_low:g}, 1+{self.eps_high:g}]"
