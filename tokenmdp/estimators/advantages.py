@@ -108,19 +108,28 @@ def leave_one_out_advantage(reward_S: torch.Tensor, group_S: torch.Tensor) -> to
     return deviation * (size / (size - 1))[index]
 
 
-def batch_normalized_advantage(reward_S: torch.Tensor, *, ddof: int, eps: float) -> torch.Tensor:
+def batch_normalized_advantage(reward_S: torch.Tensor, *, ddof: int, eps: float,
+                               step_S: torch.Tensor | None = None) -> torch.Tensor:
     """``A_i = (R_i - mean_batch) / (std_batch + eps)`` over every sequence of the step
-    (REINFORCE++-style global normalization, arXiv 2501.03262; PPO's advantage normalization)."""
+    (REINFORCE++-style global normalization, arXiv 2501.03262; PPO's advantage normalization).
+
+    ``step_S`` (optional) splits the batch into independent optimizer steps, each normalized
+    over its own sequences (used to stack many steps into one batch, as the exact lab does)."""
     _check(reward_S)
-    one_group = torch.zeros_like(reward_S, dtype=torch.long)
-    return _normalized(reward_S, one_group, ddof=ddof, eps=eps, who="reward_S")
+    steps = torch.zeros_like(reward_S, dtype=torch.long) if step_S is None else step_S
+    return _normalized(reward_S, steps, ddof=ddof, eps=eps, who="reward_S")
 
 
 # ---------------------------------------------------------------------- composable parts
 class Advantage:
-    """Base of the advantage parts: ``part(reward_S, group_S) -> advantage_S``."""
+    """Base of the advantage parts: ``part(reward_S, group_S, step_S=None) -> advantage_S``.
 
-    def __call__(self, reward_S: torch.Tensor, group_S: torch.Tensor) -> torch.Tensor:
+    ``step_S`` assigns sequences to independent optimizer steps stacked in one batch; only parts
+    with batch-wide statistics read it (groups never span steps).
+    """
+
+    def __call__(self, reward_S: torch.Tensor, group_S: torch.Tensor,
+                 step_S: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -132,7 +141,7 @@ class Advantage:
 class RewardAsAdvantage(Advantage):
     """``A_i = R_i`` (:func:`reward_advantage`); groups are not used."""
 
-    def __call__(self, reward_S, group_S):
+    def __call__(self, reward_S, group_S, step_S=None):
         return reward_advantage(reward_S)
 
     def describe(self) -> str:
@@ -143,7 +152,7 @@ class RewardAsAdvantage(Advantage):
 class GroupMean(Advantage):
     """``A_i = R_i - mean_g`` (:func:`group_mean_advantage`)."""
 
-    def __call__(self, reward_S, group_S):
+    def __call__(self, reward_S, group_S, step_S=None):
         return group_mean_advantage(reward_S, group_S)
 
     def describe(self) -> str:
@@ -164,7 +173,7 @@ class GroupNormalized(Advantage):
         if not isinstance(self.ddof, int) or self.ddof < 0:
             raise ValueError(f"ddof: expected an int >= 0, got {self.ddof!r}")
 
-    def __call__(self, reward_S, group_S):
+    def __call__(self, reward_S, group_S, step_S=None):
         return group_normalized_advantage(reward_S, group_S, ddof=self.ddof, eps=self.eps)
 
     def describe(self) -> str:
@@ -175,7 +184,7 @@ class GroupNormalized(Advantage):
 class LeaveOneOut(Advantage):
     """``A_i = R_i - mean_{j != i} R_j`` (:func:`leave_one_out_advantage`)."""
 
-    def __call__(self, reward_S, group_S):
+    def __call__(self, reward_S, group_S, step_S=None):
         return leave_one_out_advantage(reward_S, group_S)
 
     def describe(self) -> str:
@@ -197,8 +206,8 @@ class BatchNormalized(Advantage):
         if not isinstance(self.ddof, int) or self.ddof < 0:
             raise ValueError(f"ddof: expected an int >= 0, got {self.ddof!r}")
 
-    def __call__(self, reward_S, group_S):
-        return batch_normalized_advantage(reward_S, ddof=self.ddof, eps=self.eps)
+    def __call__(self, reward_S, group_S, step_S=None):
+        return batch_normalized_advantage(reward_S, ddof=self.ddof, eps=self.eps, step_S=step_S)
 
     def describe(self) -> str:
         return f"(R - batch mean)/(std + {self.eps:g}), ddof={self.ddof}"

@@ -73,6 +73,26 @@ def _check_count(name: str, value: int | None, local: int) -> int:
     return value
 
 
+def _per_step_counts(batch: TokenBatch, per_seq: torch.Tensor, step: torch.Tensor,
+                     num_tokens, num_sequences) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``N_tokens`` and ``S`` of the step each token belongs to (at least 1)."""
+    if num_tokens is not None or num_sequences is not None:
+        raise ValueError("step: stacked independent steps use each step's own counts; do not "
+                         "also pass num_tokens or num_sequences")
+    if not isinstance(step, torch.Tensor) or step.dtype not in (torch.int64, torch.int32) \
+            or step.shape != (batch.num_sequences,):
+        raise ValueError(f"step: expected an integer tensor of shape [S] = "
+                         f"({batch.num_sequences},)")
+    if batch.num_sequences and int(step.min()) < 0:
+        raise ValueError("step: contains negative step ids")
+    num_steps = int(step.max()) + 1 if batch.num_sequences else 0
+    step = step.long()
+    tok = per_seq.new_zeros(num_steps).index_add_(0, step, per_seq)
+    seq = per_seq.new_zeros(num_steps).index_add_(0, step, (per_seq > 0).to(per_seq.dtype))
+    sid = batch.sequence_id.clamp(min=0)
+    return tok.clamp(min=1)[step][sid], seq.clamp(min=1)[step][sid]
+
+
 def loss_weights(
     batch: TokenBatch,
     mode: Aggregation,
@@ -81,6 +101,7 @@ def loss_weights(
     num_sequences: int | None = None,
     max_len: int | None = None,
     mask: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token loss weights ``[R, C]`` for aggregation ``mode``; zero off the counted tokens.
 
@@ -101,6 +122,10 @@ def loss_weights(
         The tokens that count (default ``batch.loss_mask``); it must lie inside the loss mask.
         :func:`~tokenmdp.estimators.prepare` passes the loss mask minus masked-IS-rejected tokens
         when those leave the normalizer.
+    step : LongTensor ``[S]``, optional
+        Assigns each sequence to one of several independent optimizer steps stacked in this
+        batch (the exact lab evaluates many batches at once this way): every count is then that
+        step's own, and ``num_tokens``/``num_sequences`` must not be given.
 
     Returns
     -------
@@ -116,9 +141,12 @@ def loss_weights(
     elif bool((mask & ~batch.loss_mask).any()):
         raise ValueError("mask: set on tokens outside batch.loss_mask")
     per_seq = loss_token_counts(batch, mask)  # |y_i|, float [S]
-    local_tokens, local_seqs = int(mask.sum()), int((per_seq > 0).sum())
-    n_tok = _check_count("num_tokens", num_tokens, local_tokens)
-    n_seq = _check_count("num_sequences", num_sequences, local_seqs)
+    if step is not None:
+        n_tok, n_seq = _per_step_counts(batch, per_seq, step, num_tokens, num_sequences)
+    else:
+        local_tokens, local_seqs = int(mask.sum()), int((per_seq > 0).sum())
+        n_tok = max(_check_count("num_tokens", num_tokens, local_tokens), 1)
+        n_seq = max(_check_count("num_sequences", num_sequences, local_seqs), 1)
     if max_len is not None:
         longest = int(per_seq.max()) if batch.num_sequences else 0
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < max(longest, 1):
@@ -126,15 +154,15 @@ def loss_weights(
                              f"({max(longest, 1)}), got {max_len!r}")
     ones = mask.to(batch.dtype)
     if mode is Aggregation.TOKEN_MEAN:
-        return ones / max(n_tok, 1)
+        return ones / n_tok
     if mode is Aggregation.SEQUENCE_MEAN_TOKEN_MEAN:
         per_token_len = per_seq.clamp(min=1)[batch.sequence_id.clamp(min=0)]
-        return ones / (per_token_len * max(n_seq, 1))
+        return ones / (per_token_len * n_seq)
     if mode is Aggregation.SEQUENCE_MEAN_TOKEN_SUM:
-        return ones / max(n_seq, 1)
+        return ones / n_seq
     if mode is Aggregation.CONSTANT:
         if max_len is None:
             raise ValueError("max_len: Aggregation.CONSTANT (Dr. GRPO) needs the response-length "
                              "budget L_max")
-        return ones / (max(n_seq, 1) * max_len)
+        return ones / (n_seq * max_len)
     return ones  # Aggregation.TOKEN_SUM

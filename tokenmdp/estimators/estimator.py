@@ -100,7 +100,8 @@ def step_counts(batch: TokenBatch, estimator: Estimator) -> tuple[int, int]:
 
 
 def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None = None,
-            num_sequences: int | None = None, max_len: int | None = None) -> TokenBatch:
+            num_sequences: int | None = None, max_len: int | None = None,
+            step: torch.Tensor | None = None) -> TokenBatch:
     """Fill ``advantage`` and ``loss_weight`` once for the whole optimizer step.
 
     1. a KL-in-reward penalty ``β Σ_t k_t`` (from ``old_logprob`` and ``ref_logprob``) is
@@ -110,16 +111,21 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
     3. ``loss_weight`` = :func:`~tokenmdp.estimators.loss_weights` of the estimator's
        aggregation, with ``num_tokens``, ``num_sequences`` (default: this batch's, see
        :func:`step_counts`) and ``max_len`` (``L_max``, needed by ``Aggregation.CONSTANT``).
+
+    ``step`` (LongTensor ``[S]``, optional) stacks several independent optimizer steps in one
+    batch: counts and batch-wide statistics are then each step's own (see
+    :func:`~tokenmdp.estimators.loss_weights`); the exact lab prepares thousands of group draws
+    in one call this way.
     """
     estimator._check(batch, "prepare")
     reward_S = batch.reward
     if estimator.kl is not None and estimator.kl.in_reward:
         reward_S = reward_S - estimator.kl.reward_penalty(batch)
-    advantage_S = estimator.advantage(reward_S, batch.group)
+    advantage_S = estimator.advantage(reward_S, batch.group, step)
     advantage_RC = torch.where(batch.loss_mask, to_tokens(advantage_S, batch), 0.0)
     weights = loss_weights(batch, estimator.aggregation, num_tokens=num_tokens,
                            num_sequences=num_sequences, max_len=max_len,
-                           mask=_counted_mask(batch, estimator))
+                           mask=_counted_mask(batch, estimator), step=step)
     return batch.replace(advantage=advantage_RC, loss_weight=weights)
 
 
