@@ -60,7 +60,7 @@ def build_mdp_and_policy(args: argparse.Namespace):
     """The MDP and policy described by :func:`add_mdp_arguments`'s options."""
     from tokenmdp.exact import LogLinearPolicy, NeuralPolicy, TabularPolicy, TokenMDP
 
-    if not 1 <= args.prompts <= args.vocab - 1:
+    if args.vocab >= 2 and not 1 <= args.prompts <= args.vocab - 1:
         raise ValueError(f"--prompts: must be in [1, {args.vocab - 1}] (one token per prompt)")
     mdp = TokenMDP(args.vocab, args.max_len, build_reward(args.reward, args.vocab),
                    prompts=[(i,) for i in range(args.prompts)])
@@ -108,6 +108,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Exact bias, variance and MSE of estimators against the true ∇J; table, PNG, CSV, JSON."""
     from tokenmdp import estimators
     from tokenmdp.exact import moments, sequence_kl
+    from tokenmdp.exact.moments import state_action_jacobian
     from tokenmdp.plots import plot_comparison
 
     names = [n.strip() for n in args.estimators.split(",") if n.strip()]
@@ -122,6 +123,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.scenario != "on-policy":
         print(f"KL(π_θ‖π_old) = {float(sequence_kl(mdp, policy, old).detach()):.4g}, "
               f"KL(π_old‖μ) = {float(sequence_kl(mdp, old, behavior).detach()):.4g}")
+    jacobian = state_action_jacobian(mdp, policy)  # shared by every estimator at this θ
     rows = []
     header = (f"{'estimator':<18}{'rel. bias':>11}{'cosine':>9}{'dir. bias':>11}"
               f"{'total var':>12}{'MSE':>12}{'method':>13}{'s':>6}")
@@ -131,7 +133,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         m = moments(mdp, policy, est, group_size=args.group_size, behavior=behavior, old=old,
                     reference=old, method=args.method, num_samples=args.samples,
-                    generator=torch.Generator().manual_seed(args.seed))
+                    generator=torch.Generator().manual_seed(args.seed), jacobian=jacobian)
         row = {"estimator": name, **m.summary(), "method": m.method,
                "seconds": time.perf_counter() - t0}
         rows.append(row)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
@@ -51,6 +52,7 @@ def plot_comparison(rows: Sequence[Mapping[str, float]], path: str | Path | None
         ax.set_title(label, fontsize=9)
         if log and all(v > 0 for v in vals):
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(list(y), names, fontsize=8)
     axes[0].invert_yaxis()

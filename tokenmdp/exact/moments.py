@@ -33,7 +33,7 @@ from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators import Estimator, loss, prepare
 from tokenmdp.exact.ground_truth import gradient, sequence_probs, state_logprobs
 from tokenmdp.exact.mdp import TokenMDP
-from tokenmdp.exact.policies import check_policy
+from tokenmdp.exact.policies import TabularPolicy, check_policy
 
 __all__ = ["Moments", "moments", "state_action_jacobian", "count_draws"]
 
@@ -125,9 +125,18 @@ class Moments:
 def state_action_jacobian(mdp: TokenMDP, policy: nn.Module, *, chunk: int = 256) -> torch.Tensor:
     """``∇_θ log π(a|s)`` for every state-action pair: ``[num_states * V, num_params]``.
 
-    Row ``s * V + a``; columns in ``policy.parameters()`` order. Computed with batched
-    vector-Jacobian products (``chunk`` rows at a time).
+    Row ``s * V + a``; columns in ``policy.parameters()`` order. For a :class:`TabularPolicy` it
+    is the closed form ``∂ log π(a|s) / ∂ z_{s', b} = 1[s = s'] (1[a = b] − π(b|s))``; for any
+    other policy it is computed with batched vector-Jacobian products (``chunk`` rows at a time).
     """
+    check_policy(mdp, policy)
+    if type(policy) is TabularPolicy:
+        with torch.no_grad():
+            probs = torch.cat([x.exp().reshape(-1, mdp.vocab_size)
+                               for x in state_logprobs(mdp, policy)])       # [num_states, V]
+            V = mdp.vocab_size
+            block = torch.eye(V, dtype=torch.float64)[None] - probs[:, None, :]  # [S, a, b]
+            return _block_diag(block)
     params = [p for p in policy.parameters()]
     with torch.enable_grad():
         lp = torch.cat([x.reshape(-1) for x in state_logprobs(mdp, policy)])
@@ -142,6 +151,17 @@ def state_action_jacobian(mdp: TokenMDP, policy: nn.Module, *, chunk: int = 256)
                                     if g is None else g.reshape(stop - start, -1))
                                    for p, g in zip(params, grads)], dim=1))
     return torch.cat(rows)
+
+
+def _block_diag(blocks: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal matrix of ``[n, V, V]`` blocks, built with one index_put."""
+    n, V, _ = blocks.shape
+    out = torch.zeros(n * V, n * V, dtype=blocks.dtype)
+    base = (torch.arange(n) * V)[:, None, None]
+    rows = base + torch.arange(V)[None, :, None]
+    cols = base + torch.arange(V)[None, None, :]
+    out[rows.expand(n, V, V), cols.expand(n, V, V)] = blocks
+    return out
 
 
 def count_draws(mdp: TokenMDP, group_size: int, prompts_per_batch: int = 1) -> int:
@@ -244,7 +264,8 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
             reference: nn.Module | None = None, prompts_per_batch: int = 1,
             method: str = "auto", num_samples: int | None = None,
             generator: torch.Generator | None = None, filter_groups: bool = False,
-            max_exact_draws: int = MAX_EXACT_DRAWS) -> Moments:
+            max_exact_draws: int = MAX_EXACT_DRAWS,
+            jacobian: torch.Tensor | None = None) -> Moments:
     """Mean, variance and bias of ``estimator``'s gradient against the true ``∇J``.
 
     Parameters
@@ -277,6 +298,9 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
         ``P(kept)`` (estimated by the acceptance rate under Monte Carlo).
     max_exact_draws : int
         ``"auto"`` picks exact when :func:`count_draws` is at most this.
+    jacobian : Tensor, optional
+        :func:`state_action_jacobian` of ``policy`` at its current parameters, when the caller
+        compares many estimators at one ``θ`` and wants to compute it once.
 
     Returns
     -------
@@ -328,7 +352,11 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
         ids, prob, p_keep = _sampled_draws(mdp, mu_probs, group_size, prompts_per_batch,
                                            num_samples, generator, filter_groups)
 
-    jac = state_action_jacobian(mdp, policy)                 # [M, d]
+    jac = state_action_jacobian(mdp, policy) if jacobian is None else jacobian   # [M, d]
+    num_params = sum(p.numel() for p in policy.parameters())
+    if jac.shape != (mdp.num_states * mdp.vocab_size, num_params):
+        raise ValueError(f"jacobian: expected shape ({mdp.num_states * mdp.vocab_size}, "
+                         f"{num_params}), got {tuple(jac.shape)}")
     sa_index = mdp.token_state_index(enum) * mdp.vocab_size + enum.tokens
     sa_index = torch.where(enum.response_mask, sa_index, -1)
     d = jac.shape[1]
