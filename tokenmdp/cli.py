@@ -108,7 +108,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Exact bias, variance and MSE of estimators against the true ∇J; table, PNG, CSV, JSON."""
     from tokenmdp import estimators
     from tokenmdp.exact import moments, sequence_kl
-    from tokenmdp.exact.moments import state_action_jacobian
+    from tokenmdp.exact.step_gradients import state_action_jacobian
     from tokenmdp.plots import plot_comparison
 
     names = [n.strip() for n in args.estimators.split(",") if n.strip()]

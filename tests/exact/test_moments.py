@@ -16,8 +16,9 @@ from tokenmdp.exact import (
     stale_copy,
     surrogate,
 )
+from tokenmdp.exact.group_draws import count_draws
 from tokenmdp.exact.length_bias import length_normalized_objective
-from tokenmdp.exact.moments import count_draws, moments
+from tokenmdp.exact.moments import moments
 from tokenmdp.exact.rewards import ExactMatch, RandomTable, TokenCount
 
 from .conftest import make_policy
@@ -192,7 +193,7 @@ class _Opaque(torch.nn.Module):
 
 
 def test_tabular_jacobian_closed_form_equals_autograd(small):
-    from tokenmdp.exact.moments import state_action_jacobian
+    from tokenmdp.exact.step_gradients import state_action_jacobian
     mdp, pi = small
     close(state_action_jacobian(mdp, pi), state_action_jacobian(mdp, _Opaque(pi)), 1e-15)
     # and a generic policy gives the same moments as its fast path

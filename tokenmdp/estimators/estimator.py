@@ -31,7 +31,8 @@ from tokenmdp.estimators.corrections import Correction, NoCorrection
 from tokenmdp.estimators.kl import KLPenalty
 from tokenmdp.estimators.surrogates import Surrogate
 
-__all__ = ["Estimator", "loss", "per_micro_batch_token_mean_loss", "prepare", "step_counts"]
+__all__ = ["Estimator", "counted_mask", "loss", "per_micro_batch_token_mean_loss", "prepare",
+           "step_counts"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,8 +82,9 @@ class Estimator:
             require(batch, field, f"estimator {self.name!r} ({stage})")
 
 
-def _counted_mask(batch: TokenBatch, estimator: Estimator) -> torch.Tensor:
-    """Loss tokens that count in the normalizer: masked-IS rejects leave it only if told to."""
+def counted_mask(batch: TokenBatch, estimator: Estimator) -> torch.Tensor:
+    """Bool ``[R, C]``: the loss tokens that count in the normalizer (masked-IS rejects leave it
+    only when the correction says so)."""
     keep = estimator.correction(batch).keep_RC
     if keep is None or estimator.correction.masked_in_normalizer:
         return batch.loss_mask
@@ -96,7 +98,7 @@ def step_counts(batch: TokenBatch, estimator: Estimator) -> tuple[int, int]:
     :func:`prepare` of each part.
     """
     estimator._check(batch, "prepare")
-    return count_step(batch, _counted_mask(batch, estimator))
+    return count_step(batch, counted_mask(batch, estimator))
 
 
 def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None = None,
@@ -125,7 +127,7 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
     advantage_RC = torch.where(batch.loss_mask, to_tokens(advantage_S, batch), 0.0)
     weights = loss_weights(batch, estimator.aggregation, num_tokens=num_tokens,
                            num_sequences=num_sequences, max_len=max_len,
-                           mask=_counted_mask(batch, estimator), step=step)
+                           mask=counted_mask(batch, estimator), step=step)
     return batch.replace(advantage=advantage_RC, loss_weight=weights)
 
 

@@ -26,6 +26,7 @@ from tokenmdp.exact.ground_truth import (
     token_entropy,
     values,
 )
+from tokenmdp.exact.group_draws import count_draws
 from tokenmdp.exact.length_bias import (
     aggregation_gradients,
     expected_length,
@@ -33,7 +34,7 @@ from tokenmdp.exact.length_bias import (
     length_normalized_objective,
 )
 from tokenmdp.exact.mdp import TokenMDP
-from tokenmdp.exact.moments import Moments, count_draws, moments
+from tokenmdp.exact.moments import Moments, moments
 from tokenmdp.exact.policies import (
     LogLinearPolicy,
     NeuralPolicy,

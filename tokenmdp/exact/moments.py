@@ -1,48 +1,55 @@
-"""Exact bias and variance of any registry estimator: enumerate the group draws, or sample them.
+"""Exact bias and variance of any registry estimator against the true ``∇J``.
 
 The convention. One optimizer step's batch is ``prompts_per_batch`` groups; each group draws a
 prompt ``x ~ D`` and ``G`` responses ``y_1..y_G ~ μ(·|x)`` i.i.d. The estimator's gradient on the
 batch is the ascent direction ``ĝ = −∇_θ loss(prepare(batch))``, with the aggregation's counts
 those of the batch. Its expectation (with one prompt per batch) is ``Σ_x D(x) E[ĝ | x]`` and is
-compared with ``∇J`` of :func:`~tokenmdp.exact.gradient`.
+compared with ``∇J`` of :func:`~tokenmdp.exact.gradient`. Per-batch gradients come from
+:class:`~tokenmdp.exact.step_gradients.StepGradients`, which runs the library's own ``prepare``
+and ``loss``.
 
-How it is computed. ``loss`` depends on ``θ`` only through the token log-probs, so on one batch
-``ĝ = Σ_tokens c_t ∇_θ log π(y_t|s_t)`` with ``c_t = −∂loss/∂ log π(y_t|s_t)``, and
-``∇_θ log π(a|s)`` is one row of the Jacobian of the state-action log-probs. Many batches are
-stacked as independent steps of one big batch (``prepare(..., step=...)`` keeps their counts and
-statistics apart), one backward pass gives every ``c``, and a sparse-dense product gives every
-``ĝ``. The estimator code is the library's own: nothing here re-derives a formula.
+Methods:
 
-* ``method="exact"``: every multiset of ``G`` responses per prompt, with its multinomial
-  probability ``D(x) G!/Π_j c_j! Π_j μ(y_j|x)^{c_j}`` (ordered draws are exchangeable, so each
-  multiset stands for all its orderings); with several prompts per batch, their product.
-* ``method="monte_carlo"``: ``num_samples`` i.i.d. batches, with standard errors.
-* ``method="auto"``: exact when the number of draws is at most ``max_exact_draws``.
+* ``"enumeration"``: every multiset of ``G`` responses per prompt with its multinomial probability
+  (:mod:`~tokenmdp.exact.group_draws`);
+* ``"exchangeability"`` (one prompt per batch): ``ĝ = Σ_i g_i`` where ``g_i`` is sample ``i``'s own
+  term, which depends on the other samples only through their *types* (effective reward, counted
+  tokens). So ``E[ĝ] = G E[g_1]`` needs only ``y_1`` and the type distribution of the others, and
+  ``E‖ĝ‖² = G E‖g_1‖² + G(G−1) E<g_1, g_2>``, where, given all types, ``y_1`` and ``y_2`` are
+  independent: ``E<g_1, g_2> = E_types <E[g_1 | types], E[g_2 | types]>``. The cost is
+  ``n · C(K+G−2, G−1)`` instead of ``C(n+G−1, G)`` for ``n`` responses and ``K`` types;
+* ``"exact"``: the cheaper of the two; ``"monte_carlo"``: sampled batches with standard errors;
+  ``"auto"``: exact when at most ``max_exact_draws`` batches are needed, else Monte Carlo.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tokenmdp.batch import TokenBatch
-from tokenmdp.estimators import Estimator, loss, prepare
-from tokenmdp.exact.ground_truth import gradient, sequence_probs, state_logprobs
+from tokenmdp.estimators import Estimator, counted_mask
+from tokenmdp.exact.ground_truth import gradient, sequence_probs
+from tokenmdp.exact.group_draws import (
+    count_draws,
+    exact_draws,
+    exchangeable_types,
+    multisets,
+    sampled_draws,
+)
 from tokenmdp.exact.mdp import TokenMDP
-from tokenmdp.exact.policies import TabularPolicy, check_policy
+from tokenmdp.exact.policies import check_policy
+from tokenmdp.exact.step_gradients import StepGradients
 
-__all__ = ["Moments", "moments", "state_action_jacobian", "count_draws"]
+__all__ = ["Moments", "moments", "exchangeability_cost"]
 
-#: Above this many draws ``method="auto"`` switches to Monte Carlo.
+#: Above this many batches to evaluate, ``method="auto"`` switches to Monte Carlo.
 MAX_EXACT_DRAWS = 200_000
 #: The full covariance matrix is kept when the policy has at most this many parameters.
 MAX_COVARIANCE_DIM = 512
-#: Draws per stacked batch (memory bound of one prepare/loss/backward pass).
-CHUNK_DRAWS = 8192
+METHODS = ("auto", "exact", "enumeration", "exchangeability", "monte_carlo")
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,7 @@ class Moments:
     covariance: torch.Tensor | None
     """``Cov[ĝ]`` when the policy has at most ``MAX_COVARIANCE_DIM`` parameters."""
     method: str
-    """``"exact"`` or ``"monte_carlo"``."""
+    """``"enumeration"``, ``"exchangeability"`` or ``"monte_carlo"``."""
     num_draws: int
     """Batches enumerated (exact) or sampled (Monte Carlo)."""
     mean_se: torch.Tensor | None = None
@@ -122,141 +129,82 @@ class Moments:
         return out
 
 
-def state_action_jacobian(mdp: TokenMDP, policy: nn.Module, *, chunk: int = 256) -> torch.Tensor:
-    """``∇_θ log π(a|s)`` for every state-action pair: ``[num_states * V, num_params]``.
-
-    Row ``s * V + a``; columns in ``policy.parameters()`` order. For a :class:`TabularPolicy` it
-    is the closed form ``∂ log π(a|s) / ∂ z_{s', b} = 1[s = s'] (1[a = b] − π(b|s))``; for any
-    other policy it is computed with batched vector-Jacobian products (``chunk`` rows at a time).
-    """
-    check_policy(mdp, policy)
-    if type(policy) is TabularPolicy:
-        with torch.no_grad():
-            probs = torch.cat([x.exp().reshape(-1, mdp.vocab_size)
-                               for x in state_logprobs(mdp, policy)])       # [num_states, V]
-            V = mdp.vocab_size
-            block = torch.eye(V, dtype=torch.float64)[None] - probs[:, None, :]  # [S, a, b]
-            return _block_diag(block)
-    params = [p for p in policy.parameters()]
-    with torch.enable_grad():
-        lp = torch.cat([x.reshape(-1) for x in state_logprobs(mdp, policy)])
-        rows = []
-        for start in range(0, lp.numel(), chunk):
-            stop = min(start + chunk, lp.numel())
-            eye = torch.zeros(stop - start, lp.numel(), dtype=lp.dtype)
-            eye[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
-            grads = torch.autograd.grad(lp, params, grad_outputs=eye, retain_graph=True,
-                                        is_grads_batched=True, allow_unused=True)
-            rows.append(torch.cat([(torch.zeros(stop - start, p.numel(), dtype=lp.dtype)
-                                    if g is None else g.reshape(stop - start, -1))
-                                   for p, g in zip(params, grads)], dim=1))
-    return torch.cat(rows)
+def _type_keys(steps: StepGradients) -> torch.Tensor:
+    """``[N, 2]``: (effective reward, counted tokens) of every response: all that another sample
+    contributes to a sample's own gradient term (group statistics and normalizers)."""
+    est = steps.estimator
+    batch = steps.enum.replace(**steps.fields)
+    reward = batch.reward
+    if est.kl is not None and est.kl.in_reward:
+        reward = reward - est.kl.reward_penalty(batch)
+    counted = batch.sequence_sum(counted_mask(batch, est).to(torch.float64))
+    return torch.stack([reward, counted], dim=1)
 
 
-def _block_diag(blocks: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal matrix of ``[n, V, V]`` blocks, built with one index_put."""
-    n, V, _ = blocks.shape
-    out = torch.zeros(n * V, n * V, dtype=blocks.dtype)
-    base = (torch.arange(n) * V)[:, None, None]
-    rows = base + torch.arange(V)[None, :, None]
-    cols = base + torch.arange(V)[None, None, :]
-    out[rows.expand(n, V, V), cols.expand(n, V, V)] = blocks
-    return out
+def exchangeability_cost(mdp: TokenMDP, type_key_N: torch.Tensor, probs_N: torch.Tensor,
+                         group_size: int) -> int:
+    """Batches the exchangeability method evaluates: ``Σ_x n_x C(K_x + G − 2, G − 1)``."""
+    total = 0
+    per_prompt = probs_N.view(mdp.num_prompts, -1)
+    for x, (_, p, _) in enumerate(exchangeable_types(type_key_N, mdp, probs_N)):
+        n_x = int((per_prompt[x] > 0).sum())
+        total += n_x * math.comb(p.numel() + group_size - 2, group_size - 1)
+    return total
 
 
-def count_draws(mdp: TokenMDP, group_size: int, prompts_per_batch: int = 1) -> int:
-    """Number of distinct batches the exact method enumerates (zero-probability ones included)."""
-    per_group = mdp.num_prompts * math.comb(mdp.responses_per_prompt + group_size - 1, group_size)
-    return per_group ** prompts_per_batch
-
-
-def _group_draws(mdp: TokenMDP, probs_N: torch.Tensor, group_size: int):
-    """Every (prompt, multiset of G responses) with its probability: ``[D, G]`` ids, ``[D]``."""
+def _by_exchangeability(steps: StepGradients, mdp: TokenMDP, probs_N: torch.Tensor, G: int,
+                        keep_cov: bool):
+    """``(E[ĝ], E‖ĝ‖², E[ĝ ĝ^T] or None, batches evaluated)`` by exchangeability (see module)."""
+    d = steps.num_params
     n = mdp.responses_per_prompt
-    combos = torch.tensor(list(itertools.combinations_with_replacement(range(n), group_size)),
-                          dtype=torch.long).view(-1, group_size)
-    # multinomial coefficient G!/Π c_j! from the run lengths of each sorted tuple
-    run = torch.ones_like(combos)
-    for j in range(1, group_size):
-        run[:, j] = torch.where(combos[:, j] == combos[:, j - 1], run[:, j - 1] + 1, 1)
-    log_coef = math.lgamma(group_size + 1) - torch.log(run.to(torch.float64)).sum(1)
-    ids, logp = [], []
-    for x in range(mdp.num_prompts):
-        seq = x * n + combos
-        with torch.no_grad():
-            lp = (mdp.prompt_probs[x].log() + log_coef
-                  + probs_N[seq].log().sum(1))
-        ids.append(seq)
-        logp.append(lp)
-    ids, prob = torch.cat(ids), torch.cat(logp).exp()
-    keep = prob > 0
-    return ids[keep], prob[keep]
-
-
-def _filter(mdp: TokenMDP, ids: torch.Tensor, prob: torch.Tensor):
-    """DAPO's dynamic sampling: drop groups whose rewards are all equal, renormalize."""
-    rewards = mdp.rewards[ids]
-    kept = (rewards != rewards[:, :1]).any(1)
-    p_keep = float(prob[kept].sum())
-    if p_keep <= 0:
-        raise ValueError("filter_groups: every group has equal rewards (nothing to keep)")
-    return ids[kept], prob[kept] / p_keep, p_keep
-
-
-def _exact_draws(mdp, probs_N, group_size, prompts_per_batch, filter_groups):
-    ids, prob = _group_draws(mdp, probs_N, group_size)
-    p_keep = 1.0
-    if filter_groups:
-        ids, prob, p_keep = _filter(mdp, ids, prob)
-    all_ids, all_prob = ids, prob
-    for _ in range(prompts_per_batch - 1):
-        d1, d2 = all_ids.shape[0], ids.shape[0]
-        all_ids = torch.cat([all_ids.repeat_interleave(d2, 0), ids.repeat(d1, 1)], dim=1)
-        all_prob = all_prob.repeat_interleave(d2) * prob.repeat(d1)
-    return all_ids, all_prob, p_keep
-
-
-def _sampled_draws(mdp, probs_N, group_size, prompts_per_batch, num_samples, generator,
-                   filter_groups):
-    n = mdp.responses_per_prompt
-    needed = num_samples * prompts_per_batch
-    per_prompt = probs_N.view(mdp.num_prompts, n)
-    kept_groups, drawn, kept_count = [], 0, 0
-    while kept_count < needed:  # rejection sampling when groups are filtered
-        prompts = torch.multinomial(mdp.prompt_probs, needed, replacement=True,
-                                    generator=generator)
-        resp = torch.multinomial(per_prompt[prompts], group_size, replacement=True,
-                                 generator=generator)                              # [groups, G]
-        groups = prompts[:, None] * n + resp
-        drawn += needed
-        if filter_groups:
-            rewards = mdp.rewards[groups]
-            groups = groups[(rewards != rewards[:, :1]).any(1)]
-            if drawn > 1000 * needed and kept_count == 0:
-                raise ValueError("filter_groups: no group with distinct rewards was drawn")
-        kept_groups.append(groups)
-        kept_count += groups.shape[0]
-    ids = torch.cat(kept_groups)[:needed].reshape(num_samples, prompts_per_batch * group_size)
-    p_keep = kept_count / drawn
-    return ids, torch.full((num_samples,), 1.0 / num_samples, dtype=torch.float64), p_keep
-
-
-def _stacked_batch(enum: TokenBatch, ids: torch.Tensor, group_size: int,
-                   logprob_fields: dict[str, torch.Tensor]) -> tuple[TokenBatch, torch.Tensor]:
-    """Draws ``[D, k*G]`` of enumeration rows as one batch of ``D`` independent steps."""
-    D, width = ids.shape
-    rows = ids.reshape(-1)
-    S = rows.numel()
-    real = enum.sequence_id[rows] >= 0
-    seq = torch.arange(S)
-    batch = TokenBatch(
-        tokens=enum.tokens[rows], sequence_id=torch.where(real, seq[:, None], -1),
-        position=enum.position[rows], loss_mask=enum.loss_mask[rows],
-        advantage=enum.advantage[rows], loss_weight=enum.loss_weight[rows],
-        reward=enum.reward[rows], group=seq // group_size, length=enum.length[rows],
-        prompt_index=enum.prompt_index[rows],
-        **{name: lp[rows] for name, lp in logprob_fields.items()})
-    return batch, seq // width
+    mean = torch.zeros(d, dtype=torch.float64)
+    second = torch.zeros((), dtype=torch.float64)
+    outer = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
+    evaluated = 0
+    for x, (type_of, p_type, rep) in enumerate(exchangeable_types(_type_keys(steps), mdp,
+                                                                    probs_N)):
+        K = p_type.numel()
+        others, p_others = multisets(K, G - 1, p_type)                 # [Mo, G-1], [Mo]
+        Mo = others.shape[0]
+        q = probs_N[x * n:(x + 1) * n]
+        resp = (q > 0).nonzero(as_tuple=True)[0]
+        ids = torch.cat([(x * n + resp).repeat_interleave(Mo)[:, None],
+                         rep[others].repeat(resp.numel(), 1)], dim=1)   # [steps, G]
+        q_step = q[resp].repeat_interleave(Mo)
+        w = q_step * p_others.repeat(resp.numel())                      # P(y_1) P(others)
+        slot = type_of[resp].repeat_interleave(Mo) * Mo + torch.arange(Mo).repeat(resp.numel())
+        A = torch.zeros(K * Mo, d, dtype=torch.float64)  # Σ_{y_1 of type τ} μ(y_1) g_1(y_1; m)
+        sq1 = torch.zeros((), dtype=torch.float64)
+        S1 = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
+        for sl, g in steps.blocks(ids, first_only=True):
+            sq1 += w[sl] @ (g * g).sum(1)
+            if keep_cov:
+                S1 += (g * w[sl, None]).T @ g
+            A.index_add_(0, slot[sl], g * q_step[sl, None])
+        evaluated += ids.shape[0]
+        A = A.view(K, Mo, d)
+        mean_x = G * torch.einsum("m,kmd->d", p_others, A)
+        # cross term: types τ1, τ2 of samples 1, 2 and the multiset m' of the other G-2;
+        # sample 1 sees others o1 = m' + {τ2}, sample 2 sees o2 = m' + {τ1}; the type
+        # probabilities of τ1, τ2 cancel against the normalization of A.
+        rest, p_rest = multisets(K, G - 2, p_type)
+        index = {tuple(row): i for i, row in enumerate(others.tolist())}
+        t1, t2, r = torch.meshgrid(torch.arange(K), torch.arange(K), torch.arange(rest.shape[0]),
+                                   indexing="ij")
+        t1, t2, r = t1.reshape(-1), t2.reshape(-1), r.reshape(-1)
+        o1 = torch.tensor([index[tuple(sorted(rest[ri].tolist() + [b]))]
+                           for ri, b in zip(r.tolist(), t2.tolist())], dtype=torch.long)
+        o2 = torch.tensor([index[tuple(sorted(rest[ri].tolist() + [a]))]
+                           for ri, a in zip(r.tolist(), t1.tolist())], dtype=torch.long)
+        a1, a2, pr = A[t1, o1], A[t2, o2], p_rest[r]
+        cross = (pr * (a1 * a2).sum(1)).sum()
+        D = float(mdp.prompt_probs[x])
+        mean += D * mean_x
+        second += D * (G * sq1 + G * (G - 1) * cross)
+        if keep_cov:
+            cross_outer = (a1 * pr[:, None]).T @ a2
+            outer += D * (G * S1 + G * (G - 1) * 0.5 * (cross_outer + cross_outer.T))
+    return mean, second, outer, evaluated
 
 
 def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_size: int,
@@ -286,7 +234,8 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
         ``π_ref`` for a KL penalty (required when the estimator has one).
     prompts_per_batch : int
         Groups per batch; the aggregation's counts are those of the whole batch.
-    method : {"auto", "exact", "monte_carlo"}
+    method : {"auto", "exact", "enumeration", "exchangeability", "monte_carlo"}
+        See the module docstring.
     num_samples : int, optional
         Monte Carlo batches (default 4096).
     generator : torch.Generator, optional
@@ -295,12 +244,13 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
         DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, Eq. 11): groups whose rewards
         are all equal are dropped and redrawn, so every group of the batch is drawn from the
         conditional distribution given "rewards not all equal"; ``keep_probability`` reports
-        ``P(kept)`` (estimated by the acceptance rate under Monte Carlo).
+        ``P(kept)`` (estimated by the acceptance rate under Monte Carlo). Not with
+        exchangeability.
     max_exact_draws : int
-        ``"auto"`` picks exact when :func:`count_draws` is at most this.
+        ``"auto"`` picks an exact method when it evaluates at most this many batches.
     jacobian : Tensor, optional
-        :func:`state_action_jacobian` of ``policy`` at its current parameters, when the caller
-        compares many estimators at one ``θ`` and wants to compute it once.
+        :func:`~tokenmdp.exact.step_gradients.state_action_jacobian` of ``policy`` at its
+        current parameters, when the caller compares many estimators at one ``θ``.
 
     Returns
     -------
@@ -320,18 +270,14 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
     if isinstance(prompts_per_batch, bool) or not isinstance(prompts_per_batch, int) \
             or prompts_per_batch < 1:
         raise ValueError(f"prompts_per_batch: expected an int >= 1, got {prompts_per_batch!r}")
-    if method not in ("auto", "exact", "monte_carlo"):
-        raise ValueError(f"method: expected 'auto', 'exact' or 'monte_carlo', got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
     needs_ref = "ref_logprob" in estimator.requires("prepare") + estimator.requires("loss")
     if needs_ref and reference is None:
         raise ValueError(f"reference: estimator {estimator.name!r} has a KL penalty and needs a "
                          "reference policy")
     if reference is not None:
         check_policy(mdp, reference, name="reference")
-    if method == "auto":
-        method = "exact" if count_draws(mdp, group_size, prompts_per_batch) <= max_exact_draws \
-            else "monte_carlo"
-
     enum = mdp.enumerate()
     with torch.no_grad():
         mu_probs = sequence_probs(mdp, behavior)
@@ -339,63 +285,69 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
                   "old_logprob": old.token_logprobs(enum)}
         if reference is not None:
             fields["ref_logprob"] = reference.token_logprobs(enum)
-        pi_logprob = policy.token_logprobs(enum)
-    if method == "exact":
-        ids, prob, p_keep = _exact_draws(mdp, mu_probs, group_size, prompts_per_batch,
-                                         filter_groups)
+    steps = StepGradients(mdp, policy, estimator, fields, group_size, jacobian)
+    method = _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
+                     max_exact_draws)
+    d = steps.num_params
+    keep_cov = d <= MAX_COVARIANCE_DIM
+    true_grad = gradient(mdp, policy)
+    if method == "exchangeability":
+        mean, second, outer, evaluated = _by_exchangeability(steps, mdp, mu_probs, group_size,
+                                                             keep_cov)
+        return _exact_moments(mean, second, outer, true_grad, evaluated, 1.0, method)
+    if method == "enumeration":
+        ids, prob, p_keep = exact_draws(mdp, mu_probs, group_size, prompts_per_batch,
+                                        filter_groups)
     else:
         if not isinstance(generator, torch.Generator):
             raise TypeError("generator: a torch.Generator is required for Monte Carlo")
         num_samples = 4096 if num_samples is None else num_samples
         if num_samples < 2:
             raise ValueError(f"num_samples: need at least 2, got {num_samples}")
-        ids, prob, p_keep = _sampled_draws(mdp, mu_probs, group_size, prompts_per_batch,
-                                           num_samples, generator, filter_groups)
-
-    jac = state_action_jacobian(mdp, policy) if jacobian is None else jacobian   # [M, d]
-    num_params = sum(p.numel() for p in policy.parameters())
-    if jac.shape != (mdp.num_states * mdp.vocab_size, num_params):
-        raise ValueError(f"jacobian: expected shape ({mdp.num_states * mdp.vocab_size}, "
-                         f"{num_params}), got {tuple(jac.shape)}")
-    sa_index = mdp.token_state_index(enum) * mdp.vocab_size + enum.tokens
-    sa_index = torch.where(enum.response_mask, sa_index, -1)
-    d = jac.shape[1]
-    keep_cov = d <= MAX_COVARIANCE_DIM
-    sum_g = torch.zeros(d, dtype=torch.float64)
-    sum_gg = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
-    sum_sq = torch.zeros((), dtype=torch.float64)
-    per_draw = [] if method == "monte_carlo" else None
-    max_len = mdp.max_len
-    for start in range(0, ids.shape[0], CHUNK_DRAWS):
-        chunk_ids, chunk_p = ids[start:start + CHUNK_DRAWS], prob[start:start + CHUNK_DRAWS]
-        batch, step = _stacked_batch(enum, chunk_ids, group_size, fields)
-        batch = prepare(batch, estimator, step=step, max_len=max_len)
-        rows = chunk_ids.reshape(-1)
-        lp = pi_logprob[rows].clone().requires_grad_(True)
-        value, _ = loss(lp, batch, estimator)
-        (coef,) = torch.autograd.grad(-value, lp)            # c_t = -∂loss/∂log π
-        # per-draw coefficient vectors over state-action pairs, then ĝ = C @ J
-        sa = sa_index[rows]
-        on = sa >= 0
-        draw_of_token = step[:, None].expand_as(sa)[on]
-        C = torch.zeros(chunk_ids.shape[0], jac.shape[0], dtype=torch.float64)
-        C.index_put_((draw_of_token, sa[on]), coef[on], accumulate=True)
-        g = C @ jac                                            # [chunk, d]
-        sum_g += chunk_p @ g
-        sum_sq += chunk_p @ (g * g).sum(1)
+        ids, prob, p_keep = sampled_draws(mdp, mu_probs, group_size, prompts_per_batch,
+                                          num_samples, generator, filter_groups)
+    mean = torch.zeros(d, dtype=torch.float64)
+    second = torch.zeros((), dtype=torch.float64)
+    outer = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
+    per_draw = []
+    for sl, g in steps.blocks(ids):
+        p = prob[sl]
+        mean += p @ g
+        second += p @ (g * g).sum(1)
         if keep_cov:
-            sum_gg += (g * chunk_p[:, None]).T @ g
-        if per_draw is not None:
+            outer += (g * p[:, None]).T @ g
+        if method == "monte_carlo":
             per_draw.append(g)
-    true_grad = gradient(mdp, policy)
-    mean = sum_g
-    total_var = float(sum_sq - mean @ mean)
-    cov = (sum_gg - torch.outer(mean, mean)) if keep_cov else None
-    if method == "exact":
-        return Moments(mean=mean, true_gradient=true_grad, total_variance=max(total_var, 0.0),
-                       covariance=cov, method="exact", num_draws=int(ids.shape[0]),
-                       keep_probability=p_keep)
-    return _monte_carlo_moments(torch.cat(per_draw), true_grad, keep_cov, p_keep)
+    if method == "monte_carlo":
+        return _monte_carlo_moments(torch.cat(per_draw), true_grad, keep_cov, p_keep)
+    return _exact_moments(mean, second, outer, true_grad, int(ids.shape[0]), p_keep, method)
+
+
+def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
+            max_exact_draws) -> str:
+    """Resolve ``auto`` / ``exact`` to a concrete method, and check the requested one applies."""
+    if method == "monte_carlo" or method == "enumeration":
+        return method
+    exchangeable_ok = prompts_per_batch == 1 and not filter_groups and group_size >= 2
+    if method == "exchangeability":
+        if not exchangeable_ok:
+            raise ValueError("method: exchangeability needs prompts_per_batch=1, group_size >= 2 "
+                             "and no filter_groups")
+        return method
+    enumeration_cost = count_draws(mdp, group_size, prompts_per_batch)
+    exchange_cost = (exchangeability_cost(mdp, _type_keys(steps), mu_probs, group_size)
+                     if exchangeable_ok else float("inf"))
+    best = "enumeration" if enumeration_cost <= exchange_cost else "exchangeability"
+    if method == "exact" or min(enumeration_cost, exchange_cost) <= max_exact_draws:
+        return best
+    return "monte_carlo"
+
+
+def _exact_moments(mean, second, outer, true_grad, evaluated, p_keep, method) -> Moments:
+    total_var = float(second - mean @ mean)
+    cov = (outer - torch.outer(mean, mean)) if outer is not None else None
+    return Moments(mean=mean, true_gradient=true_grad, total_variance=max(total_var, 0.0),
+                   covariance=cov, method=method, num_draws=evaluated, keep_probability=p_keep)
 
 
 def _monte_carlo_moments(g: torch.Tensor, true_grad: torch.Tensor, keep_cov: bool,

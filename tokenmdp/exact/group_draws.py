@@ -1,0 +1,135 @@
+"""Group draws for the exact lab: enumerated with their probabilities, or sampled.
+
+A batch is ``prompts_per_batch`` groups; a group is a prompt ``x ~ D`` and ``G`` responses
+``y_1..y_G ~ μ(·|x)`` i.i.d., given as rows of ``mdp.enumerate()`` (canonical order).
+
+* :func:`count_draws` / :func:`exact_draws` — every multiset of ``G`` responses per prompt with its
+  multinomial probability ``D(x) G!/Π_j c_j! Π_j μ(y_j|x)^{c_j}`` (ordered draws are
+  exchangeable, so a multiset stands for all its orderings); several groups: their product;
+* :func:`sampled_draws` — i.i.d. batches;
+* :func:`exchangeable_types` — the reduction the exchangeability method uses: the other samples
+  of a group matter to a sample's own gradient term only through their *type*
+  ``(effective reward, counted tokens)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from tokenmdp.exact.mdp import TokenMDP
+
+__all__ = ["count_draws", "exact_draws", "sampled_draws", "filter_equal_rewards",
+           "multisets", "exchangeable_types"]
+
+
+def multisets(num_types: int, size: int, probs: torch.Tensor | None = None):
+    """Every multiset of ``size`` items from ``num_types`` (sorted rows ``[K, size]``) and, with
+    ``probs`` ``[..., num_types]``, its multinomial probability ``[..., K]``."""
+    tuples = list(itertools.combinations_with_replacement(range(num_types), size))
+    combos = torch.tensor(tuples, dtype=torch.long).view(len(tuples), size)
+    if probs is None:
+        return combos, None
+    run = torch.ones_like(combos)  # run lengths of equal items give G!/Π c_j!
+    for j in range(1, size):
+        run[:, j] = torch.where(combos[:, j] == combos[:, j - 1], run[:, j - 1] + 1, 1)
+    log_coef = math.lgamma(size + 1) - torch.log(run.to(torch.float64)).sum(1)
+    with torch.no_grad():
+        logp = log_coef + probs[..., combos].log().sum(-1)
+    return combos, logp.exp()
+
+
+def count_draws(mdp: TokenMDP, group_size: int, prompts_per_batch: int = 1) -> int:
+    """Number of distinct batches the exact method enumerates (zero-probability ones included)."""
+    per_group = mdp.num_prompts * math.comb(mdp.responses_per_prompt + group_size - 1, group_size)
+    return per_group ** prompts_per_batch
+
+
+def _group_draws(mdp: TokenMDP, probs_N: torch.Tensor, group_size: int):
+    """Every (prompt, multiset of G responses) with its probability: ``[D, G]`` ids, ``[D]``."""
+    n = mdp.responses_per_prompt
+    combos, prob = multisets(n, group_size, probs_N.view(mdp.num_prompts, n))   # [P, K]
+    ids = torch.cat([x * n + combos for x in range(mdp.num_prompts)])
+    prob = (mdp.prompt_probs[:, None] * prob).reshape(-1)
+    keep = prob > 0
+    return ids[keep], prob[keep]
+
+
+def filter_equal_rewards(mdp: TokenMDP, ids: torch.Tensor, prob: torch.Tensor):
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal, renormalize."""
+    rewards = mdp.rewards[ids]
+    kept = (rewards != rewards[:, :1]).any(1)
+    p_keep = float(prob[kept].sum())
+    if p_keep <= 0:
+        raise ValueError("filter_groups: every group has equal rewards (nothing to keep)")
+    return ids[kept], prob[kept] / p_keep, p_keep
+
+
+def exact_draws(mdp, probs_N, group_size, prompts_per_batch, filter_groups):
+    ids, prob = _group_draws(mdp, probs_N, group_size)
+    p_keep = 1.0
+    if filter_groups:
+        ids, prob, p_keep = filter_equal_rewards(mdp, ids, prob)
+    all_ids, all_prob = ids, prob
+    for _ in range(prompts_per_batch - 1):
+        d1, d2 = all_ids.shape[0], ids.shape[0]
+        all_ids = torch.cat([all_ids.repeat_interleave(d2, 0), ids.repeat(d1, 1)], dim=1)
+        all_prob = all_prob.repeat_interleave(d2) * prob.repeat(d1)
+    return all_ids, all_prob, p_keep
+
+
+def sampled_draws(mdp, probs_N, group_size, prompts_per_batch, num_samples, generator,
+                   filter_groups):
+    n = mdp.responses_per_prompt
+    needed = num_samples * prompts_per_batch
+    per_prompt = probs_N.view(mdp.num_prompts, n)
+    kept_groups, drawn, kept_count = [], 0, 0
+    while kept_count < needed:  # rejection sampling when groups are filtered
+        prompts = torch.multinomial(mdp.prompt_probs, needed, replacement=True,
+                                    generator=generator)
+        resp = torch.multinomial(per_prompt[prompts], group_size, replacement=True,
+                                 generator=generator)                              # [groups, G]
+        groups = prompts[:, None] * n + resp
+        drawn += needed
+        if filter_groups:
+            rewards = mdp.rewards[groups]
+            groups = groups[(rewards != rewards[:, :1]).any(1)]
+            if drawn > 1000 * needed and kept_count == 0:
+                raise ValueError("filter_groups: no group with distinct rewards was drawn")
+        kept_groups.append(groups)
+        kept_count += groups.shape[0]
+    ids = torch.cat(kept_groups)[:needed].reshape(num_samples, prompts_per_batch * group_size)
+    p_keep = kept_count / drawn
+    return ids, torch.full((num_samples,), 1.0 / num_samples, dtype=torch.float64), p_keep
+
+
+def exchangeable_types(type_key_N: torch.Tensor, mdp: TokenMDP, probs_N: torch.Tensor):
+    """Types of responses per prompt, for the exchangeability method.
+
+    Parameters
+    ----------
+    type_key_N : Tensor ``[N, k]``
+        What another sample contributes to a sample's own gradient term (its effective reward
+        and its counted tokens), per response in canonical order.
+    probs_N : Tensor ``[N]``
+        ``μ(y|x)`` per response.
+
+    Returns
+    -------
+    list, one entry per prompt, of ``(type_of_response [n], type_prob [K], representative [K])``:
+    the type id of each of the prompt's responses, the probability of each type and one
+    response (canonical row id) of each type.
+    """
+    n = mdp.responses_per_prompt
+    out = []
+    for x in range(mdp.num_prompts):
+        keys = type_key_N[x * n:(x + 1) * n]
+        uniq, type_of = torch.unique(keys, dim=0, return_inverse=True)
+        K = uniq.shape[0]
+        p = torch.zeros(K, dtype=torch.float64).index_add_(0, type_of, probs_N[x * n:(x + 1) * n])
+        first = torch.full((K,), n, dtype=torch.long).scatter_reduce_(
+            0, type_of, torch.arange(n), reduce="amin")
+        out.append((type_of, p, x * n + first))
+    return out

@@ -1,0 +1,167 @@
+"""Per-batch gradients of an estimator, for many batches at once (the engine of the exact lab).
+
+``loss`` depends on ``θ`` only through the token log-probs, so on one batch
+``ĝ = Σ_tokens c_t ∇_θ log π(y_t|s_t)`` with ``c_t = −∂loss/∂ log π(y_t|s_t)``, and
+``∇_θ log π(a|s)`` is one row of the Jacobian of the state-action log-probs
+(:func:`state_action_jacobian`). :class:`StepGradients` stacks many batches (rows of the MDP's
+enumeration) as independent steps of one big batch — ``prepare(..., step=...)`` keeps their counts
+and statistics apart — takes every ``c`` with one backward pass, and maps the per-batch
+coefficient vectors to parameter space. The estimator code is the library's own: nothing here
+re-derives a formula.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmdp.batch import TokenBatch
+from tokenmdp.estimators import Estimator, loss, prepare
+from tokenmdp.exact.ground_truth import state_logprobs
+from tokenmdp.exact.mdp import TokenMDP
+from tokenmdp.exact.policies import TabularPolicy, check_policy
+
+__all__ = ["state_action_jacobian", "StepGradients"]
+
+#: Entries of one dense ``[batches, state-action pairs]`` coefficient block.
+MAX_BLOCK_ENTRIES = 20_000_000
+
+
+def state_action_jacobian(mdp: TokenMDP, policy: nn.Module, *, chunk: int = 256) -> torch.Tensor:
+    """``∇_θ log π(a|s)`` for every state-action pair: ``[num_states * V, num_params]``.
+
+    Row ``s * V + a``; columns in ``policy.parameters()`` order. For a :class:`TabularPolicy` it
+    is the closed form ``∂ log π(a|s) / ∂ z_{s', b} = 1[s = s'] (1[a = b] − π(b|s))``; for any
+    other policy it is computed with batched vector-Jacobian products (``chunk`` rows at a time).
+    """
+    check_policy(mdp, policy)
+    if type(policy) is TabularPolicy:
+        with torch.no_grad():
+            probs = torch.cat([x.exp().reshape(-1, mdp.vocab_size)
+                               for x in state_logprobs(mdp, policy)])       # [num_states, V]
+            V = mdp.vocab_size
+            block = torch.eye(V, dtype=torch.float64)[None] - probs[:, None, :]  # [S, a, b]
+            return _block_diag(block)
+    params = [p for p in policy.parameters()]
+    with torch.enable_grad():
+        lp = torch.cat([x.reshape(-1) for x in state_logprobs(mdp, policy)])
+        rows = []
+        for start in range(0, lp.numel(), chunk):
+            stop = min(start + chunk, lp.numel())
+            eye = torch.zeros(stop - start, lp.numel(), dtype=lp.dtype)
+            eye[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
+            grads = torch.autograd.grad(lp, params, grad_outputs=eye, retain_graph=True,
+                                        is_grads_batched=True, allow_unused=True)
+            rows.append(torch.cat([(torch.zeros(stop - start, p.numel(), dtype=lp.dtype)
+                                    if g is None else g.reshape(stop - start, -1))
+                                   for p, g in zip(params, grads)], dim=1))
+    return torch.cat(rows)
+
+
+def _block_diag(blocks: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal matrix of ``[n, V, V]`` blocks, built with one index_put."""
+    n, V, _ = blocks.shape
+    out = torch.zeros(n * V, n * V, dtype=blocks.dtype)
+    base = (torch.arange(n) * V)[:, None, None]
+    rows = base + torch.arange(V)[None, :, None]
+    cols = base + torch.arange(V)[None, None, :]
+    out[rows.expand(n, V, V), cols.expand(n, V, V)] = blocks
+    return out
+
+
+def _stacked_batch(enum: TokenBatch, ids: torch.Tensor, group_size: int,
+                   logprob_fields: dict[str, torch.Tensor]) -> tuple[TokenBatch, torch.Tensor]:
+    """Draws ``[D, k*G]`` of enumeration rows as one batch of ``D`` independent steps."""
+    D, width = ids.shape
+    rows = ids.reshape(-1)
+    S = rows.numel()
+    real = enum.sequence_id[rows] >= 0
+    seq = torch.arange(S)
+    batch = TokenBatch(
+        tokens=enum.tokens[rows], sequence_id=torch.where(real, seq[:, None], -1),
+        position=enum.position[rows], loss_mask=enum.loss_mask[rows],
+        advantage=enum.advantage[rows], loss_weight=enum.loss_weight[rows],
+        reward=enum.reward[rows], group=seq // group_size, length=enum.length[rows],
+        prompt_index=enum.prompt_index[rows],
+        **{name: lp[rows] for name, lp in logprob_fields.items()})
+    return batch, seq // width
+
+
+class StepGradients:
+    """``ĝ`` of ``estimator`` for batches made of rows of ``mdp.enumerate()``.
+
+    Parameters
+    ----------
+    mdp, policy, estimator
+    fields : dict of str -> Tensor ``[N, C]``
+        Log-prob fields of the enumeration (``behavior_logprob``, ``old_logprob``, and
+        ``ref_logprob`` when needed).
+    group_size : int
+        ``G``: consecutive sequences of a batch form groups of this size.
+    jacobian : Tensor, optional
+        A precomputed :func:`state_action_jacobian` (only used for non-tabular policies).
+    """
+
+    def __init__(self, mdp: TokenMDP, policy: nn.Module, estimator: Estimator,
+                 fields: dict[str, torch.Tensor], group_size: int,
+                 jacobian: torch.Tensor | None = None) -> None:
+        self.mdp, self.estimator, self.group_size = mdp, estimator, group_size
+        self.enum = mdp.enumerate()
+        self.fields = fields
+        with torch.no_grad():
+            self.pi_logprob = policy.token_logprobs(self.enum)
+        sa = mdp.token_state_index(self.enum) * mdp.vocab_size + self.enum.tokens
+        self.sa_index = torch.where(self.enum.response_mask, sa, -1)
+        self.num_pairs = mdp.num_states * mdp.vocab_size
+        self.num_params = sum(p.numel() for p in policy.parameters())
+        self.tabular_probs = None
+        self.jacobian = None
+        if type(policy) is TabularPolicy and jacobian is None:
+            # closed form: ĝ[s, b] = C[s, b] − π(b|s) Σ_a C[s, a]; no dense Jacobian needed
+            with torch.no_grad():
+                self.tabular_probs = torch.cat([x.exp().reshape(-1, mdp.vocab_size)
+                                                for x in state_logprobs(mdp, policy)])
+        else:
+            self.jacobian = state_action_jacobian(mdp, policy) if jacobian is None else jacobian
+            if self.jacobian.shape != (self.num_pairs, self.num_params):
+                raise ValueError(f"jacobian: expected shape ({self.num_pairs}, "
+                                 f"{self.num_params}), got {tuple(self.jacobian.shape)}")
+
+    @property
+    def chunk(self) -> int:
+        """Batches per block, so that one dense coefficient block stays bounded."""
+        return max(1, min(8192, MAX_BLOCK_ENTRIES // max(self.num_pairs, self.num_params)))
+
+    def _stacked(self, ids: torch.Tensor) -> tuple[TokenBatch, torch.Tensor]:
+        return _stacked_batch(self.enum, ids, self.group_size, self.fields)
+
+    def __call__(self, ids: torch.Tensor, *, first_only: bool = False) -> torch.Tensor:
+        """``ĝ`` ``[D, num_params]`` of batches ``ids`` ``[D, width]`` (enumeration rows).
+
+        With ``first_only`` only the first sequence's own term ``g_1`` is kept (its tokens'
+        coefficients, computed in the presence of the others), as the exchangeability method
+        needs.
+        """
+        batch, step = self._stacked(ids)
+        batch = prepare(batch, self.estimator, step=step, max_len=self.mdp.max_len)
+        rows = ids.reshape(-1)
+        lp = self.pi_logprob[rows].clone().requires_grad_(True)
+        value, _ = loss(lp, batch, self.estimator)
+        (coef,) = torch.autograd.grad(-value, lp)            # c_t = −∂loss/∂log π
+        sa = self.sa_index[rows]
+        on = sa >= 0
+        if first_only:
+            on = on & (torch.arange(rows.numel()) % ids.shape[1] == 0)[:, None]
+        draw = step[:, None].expand_as(sa)[on]
+        C = torch.zeros(ids.shape[0], self.num_pairs, dtype=torch.float64)
+        C.index_put_((draw, sa[on]), coef[on], accumulate=True)
+        if self.jacobian is not None:
+            return C @ self.jacobian
+        C = C.view(ids.shape[0], -1, self.mdp.vocab_size)
+        return (C - self.tabular_probs * C.sum(-1, keepdim=True)).reshape(ids.shape[0], -1)
+
+    def blocks(self, ids: torch.Tensor, **kwargs):
+        """Yield ``(slice, ĝ)`` over ``ids`` in memory-bounded blocks."""
+        for start in range(0, ids.shape[0], self.chunk):
+            sl = slice(start, start + self.chunk)
+            yield sl, self(ids[sl], **kwargs)
