@@ -358,7 +358,35 @@ class TokenBatch:
 
     # ------------------------------------------------------------------ conversions
     def replace(self, **changes: Any) -> TokenBatch:
-        """A new batch with some fields replaced (validated again)."""
+        """A new batch with some fields replaced (validated again).
+
+        When only per-token float fields (advantage, loss weight, log-probs) or rewards change,
+        only those are checked (shape, device, dtype, finiteness): the layout they sit on was
+        validated when this batch was built, and is shared.
+        """
+        if changes and set(changes) <= set(_TOKEN_FLOAT_FIELDS + _SEQ_FLOAT_FIELDS):
+            for name, value in changes.items():
+                expected = self.reward.shape if name in _SEQ_FLOAT_FIELDS else self.tokens.shape
+                if value is None and name not in ("advantage", "loss_weight", "reward"):
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"TokenBatch.{name}: expected a torch.Tensor, got "
+                                    f"{type(value).__name__}")
+                if value.shape != expected:
+                    _fail(name, f"shape {tuple(value.shape)} differs from the expected "
+                                f"{tuple(expected)}")
+                if value.device != self.device:
+                    _fail(name, f"on {value.device}, tokens on {self.device}")
+                if value.dtype != self.dtype:
+                    _fail(name, f"dtype {value.dtype} differs from the batch's {self.dtype}; "
+                                "all floating-point fields share one dtype")
+                if not bool(torch.isfinite(value).all()):
+                    _fail(name, "contains non-finite values")
+            new = object.__new__(TokenBatch)
+            for f in dataclasses.fields(self):
+                object.__setattr__(new, f.name, changes.get(f.name, getattr(self, f.name)))
+            object.__setattr__(new, "token_extras", dict(self.token_extras))
+            return new
         return dataclasses.replace(self, **changes)
 
     def to(self, device: torch.device | str | None = None,

@@ -173,14 +173,18 @@ def _by_exchangeability(steps: StepGradients, mdp: TokenMDP, probs_N: torch.Tens
         q_step = q[resp].repeat_interleave(Mo)
         w = q_step * p_others.repeat(resp.numel())                      # P(y_1) P(others)
         slot = type_of[resp].repeat_interleave(Mo) * Mo + torch.arange(Mo).repeat(resp.numel())
-        A = torch.zeros(K * Mo, d, dtype=torch.float64)  # Σ_{y_1 of type τ} μ(y_1) g_1(y_1; m)
+        # A[τ, m] = Σ_{y_1 of type τ} μ(y_1) g_1(y_1; m), accumulated in coefficient space
+        A_C = torch.zeros(K * Mo, steps.num_pairs, dtype=torch.float64)
         sq1 = torch.zeros((), dtype=torch.float64)
         S1 = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
-        for sl, g in steps.blocks(ids, first_only=True):
-            sq1 += w[sl] @ (g * g).sum(1)
+        for sl, (draw, pair, coef) in steps.sparse_blocks(ids, first_only=True):
+            n_sl = int(w[sl].numel())
+            sq1 += w[sl] @ steps.sq_norms(draw, pair, coef, n_sl)
+            A_C.index_put_((slot[sl][draw], pair), coef * q_step[sl][draw], accumulate=True)
             if keep_cov:
+                g = steps.to_params(steps.dense(draw, pair, coef, n_sl))
                 S1 += (g * w[sl, None]).T @ g
-            A.index_add_(0, slot[sl], g * q_step[sl, None])
+        A = steps.to_params(A_C)
         evaluated += ids.shape[0]
         A = A.view(K, Mo, d)
         mean_x = G * torch.einsum("m,kmd->d", p_others, A)
@@ -310,14 +314,22 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
     second = torch.zeros((), dtype=torch.float64)
     outer = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
     per_draw = []
-    for sl, g in steps.blocks(ids):
-        p = prob[sl]
-        mean += p @ g
-        second += p @ (g * g).sum(1)
-        if keep_cov:
-            outer += (g * p[:, None]).T @ g
-        if method == "monte_carlo":
-            per_draw.append(g)
+    if keep_cov or method == "monte_carlo":          # dense per-batch gradients are small here
+        for sl, g in steps.blocks(ids):
+            p = prob[sl]
+            mean += p @ g
+            second += p @ (g * g).sum(1)
+            if keep_cov:
+                outer += (g * p[:, None]).T @ g
+            if method == "monte_carlo":
+                per_draw.append(g)
+    else:                                             # large models: stay in coefficient space
+        mean_C = torch.zeros(1, steps.num_pairs, dtype=torch.float64)
+        for sl, (draw, pair, coef) in steps.sparse_blocks(ids):
+            p = prob[sl]
+            mean_C[0].index_add_(0, pair, coef * p[draw])
+            second += p @ steps.sq_norms(draw, pair, coef, int(p.numel()))
+        mean = steps.to_params(mean_C)[0]
     if method == "monte_carlo":
         return _monte_carlo_moments(torch.cat(per_draw), true_grad, keep_cov, p_keep)
     return _exact_moments(mean, second, outer, true_grad, int(ids.shape[0]), p_keep, method)

@@ -135,12 +135,13 @@ class StepGradients:
     def _stacked(self, ids: torch.Tensor) -> tuple[TokenBatch, torch.Tensor]:
         return _stacked_batch(self.enum, ids, self.group_size, self.fields)
 
-    def __call__(self, ids: torch.Tensor, *, first_only: bool = False) -> torch.Tensor:
-        """``ĝ`` ``[D, num_params]`` of batches ``ids`` ``[D, width]`` (enumeration rows).
+    def coefficients(self, ids: torch.Tensor, *, first_only: bool = False):
+        """Per-token coefficients of batches ``ids`` ``[D, width]`` (enumeration rows).
 
-        With ``first_only`` only the first sequence's own term ``g_1`` is kept (its tokens'
-        coefficients, computed in the presence of the others), as the exchangeability method
-        needs.
+        Returns ``(draw, pair, coef)``, one entry per loss token: ``ĝ_draw = Σ coef ·
+        ∇_θ log π(pair)`` with ``pair = state * V + action``. With ``first_only`` only the first
+        sequence's own term ``g_1`` is kept (its tokens' coefficients, computed in the presence of
+        the others), as the exchangeability method needs.
         """
         batch, step = self._stacked(ids)
         batch = prepare(batch, self.estimator, step=step, max_len=self.mdp.max_len)
@@ -152,16 +153,49 @@ class StepGradients:
         on = sa >= 0
         if first_only:
             on = on & (torch.arange(rows.numel()) % ids.shape[1] == 0)[:, None]
-        draw = step[:, None].expand_as(sa)[on]
-        C = torch.zeros(ids.shape[0], self.num_pairs, dtype=torch.float64)
-        C.index_put_((draw, sa[on]), coef[on], accumulate=True)
+        return step[:, None].expand_as(sa)[on], sa[on], coef[on]
+
+    def dense(self, draw: torch.Tensor, pair: torch.Tensor, coef: torch.Tensor,
+              num_draws: int) -> torch.Tensor:
+        """The coefficient matrix ``[num_draws, num_states * V]``."""
+        C = torch.zeros(num_draws, self.num_pairs, dtype=torch.float64)
+        return C.index_put_((draw, pair), coef, accumulate=True)
+
+    def to_params(self, C: torch.Tensor) -> torch.Tensor:
+        """Map coefficient rows ``[n, num_states * V]`` to gradients ``[n, num_params]``."""
         if self.jacobian is not None:
             return C @ self.jacobian
-        C = C.view(ids.shape[0], -1, self.mdp.vocab_size)
-        return (C - self.tabular_probs * C.sum(-1, keepdim=True)).reshape(ids.shape[0], -1)
+        C = C.view(C.shape[0], -1, self.mdp.vocab_size)
+        return (C - self.tabular_probs * C.sum(-1, keepdim=True)).reshape(C.shape[0], -1)
+
+    def sq_norms(self, draw: torch.Tensor, pair: torch.Tensor, coef: torch.Tensor,
+                 num_draws: int) -> torch.Tensor:
+        """``‖ĝ_draw‖²`` ``[num_draws]``, touching only the states each draw visits (tabular)."""
+        if self.jacobian is not None:
+            g = self.to_params(self.dense(draw, pair, coef, num_draws))
+            return (g * g).sum(1)
+        V = self.mdp.vocab_size
+        state, action = pair // V, pair % V
+        keys, inverse = torch.unique(draw * self.mdp.num_states + state, return_inverse=True)
+        buf = torch.zeros(keys.numel(), V, dtype=torch.float64)
+        buf.index_put_((inverse, action), coef, accumulate=True)       # C[draw, state, :]
+        g = buf - self.tabular_probs[keys % self.mdp.num_states] * buf.sum(-1, keepdim=True)
+        return torch.zeros(num_draws, dtype=torch.float64).index_add_(
+            0, keys // self.mdp.num_states, (g * g).sum(-1))
+
+    def __call__(self, ids: torch.Tensor, *, first_only: bool = False) -> torch.Tensor:
+        """``ĝ`` ``[D, num_params]`` of batches ``ids`` ``[D, width]`` (dense)."""
+        draw, pair, coef = self.coefficients(ids, first_only=first_only)
+        return self.to_params(self.dense(draw, pair, coef, ids.shape[0]))
 
     def blocks(self, ids: torch.Tensor, **kwargs):
         """Yield ``(slice, ĝ)`` over ``ids`` in memory-bounded blocks."""
         for start in range(0, ids.shape[0], self.chunk):
             sl = slice(start, start + self.chunk)
             yield sl, self(ids[sl], **kwargs)
+
+    def sparse_blocks(self, ids: torch.Tensor, *, block: int = 65536, **kwargs):
+        """Yield ``(slice, (draw, pair, coef))`` over ``ids``; ``draw`` is relative to the slice."""
+        for start in range(0, ids.shape[0], block):
+            sl = slice(start, start + block)
+            yield sl, self.coefficients(ids[sl], **kwargs)
