@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmdp import TokenBatch
+from tokenmdp import distributed as dd
 from tokenmdp import packing as pk
 
 SUM_RTOL = 1e-12          # per-sequence sums in float64 may differ by summation order only
@@ -325,8 +326,8 @@ def test_bad_input_raises_value_error_naming_the_argument(call, argument):
 # ------------------------------------------------------------------ step counts
 def test_counts_without_distributed_are_local():
     batch = _batch()
-    assert pk.global_counts(batch) == (4, 2)
-    assert pk.data_parallel_loss_scale() == 1
+    assert dd.global_counts(batch) == (4, 2)
+    assert dd.data_parallel_loss_scale() == 1
 
 
 def _counts_worker(rank, world_size, init_file, out_dir):
@@ -334,7 +335,7 @@ def _counts_worker(rank, world_size, init_file, out_dir):
                             world_size=world_size)
     # Rank r holds r + 1 sequences of one prompt and two response tokens each.
     batch = TokenBatch.from_sequences([[1]] * (rank + 1), [[2, 3]] * (rank + 1))
-    torch.save((tuple(pk.global_counts(batch)), pk.data_parallel_loss_scale()),
+    torch.save((tuple(dd.global_counts(batch)), dd.data_parallel_loss_scale()),
                f"{out_dir}/{rank}.pt")
     dist.destroy_process_group()
 

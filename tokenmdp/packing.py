@@ -1,4 +1,4 @@
-"""Layouts of a :class:`~tokenmdp.batch.TokenBatch`: packing, micro-batches and step counts.
+"""Layouts of a :class:`~tokenmdp.batch.TokenBatch`: packing and micro-batches.
 
 A layout places each sequence of a batch at one row and one column offset of an ``[R, C]``
 grid. Layout is memory, never meaning: every function here moves whole sequences together with
@@ -14,8 +14,10 @@ Reading order:
 2. :func:`relayout`, the one primitive that moves tokens (one gather and one scatter per field);
 3. batch layouts built on it: :func:`pack_first_fit_decreasing`, :func:`pack_in_order`,
    :func:`padded_layout`, :func:`flat_layout`, :func:`select_sequences`, :func:`fill_fraction`;
-4. :func:`split_micro_batches`, rows into micro-batches that remember their original sequences;
-5. step counts over data-parallel ranks: :func:`global_counts`, :func:`data_parallel_loss_scale`.
+4. :func:`split_micro_batches`, rows into micro-batches that remember their original sequences.
+
+Step counts over data-parallel ranks (:func:`~tokenmdp.distributed.global_counts`,
+:func:`~tokenmdp.distributed.data_parallel_loss_scale`) live in :mod:`tokenmdp.distributed`.
 
 Padding positions of a re-laid-out batch hold 0 in every field (``False`` in ``loss_mask``),
 except ``sequence_id``, which is -1.
@@ -28,15 +30,14 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from tokenmdp.batch import TokenBatch
 
 __all__ = [
-    "MicroBatch", "Placement", "SequenceSpans", "StepCounts", "data_parallel_loss_scale",
-    "fill_fraction", "flat_layout", "global_counts", "pack_first_fit_decreasing", "pack_in_order",
-    "padded_layout", "place_first_fit_decreasing", "place_flat", "place_in_order", "place_padded",
-    "relayout", "select_sequences", "sequence_spans", "split_micro_batches",
+    "MicroBatch", "Placement", "SequenceSpans", "fill_fraction", "flat_layout",
+    "pack_first_fit_decreasing", "pack_in_order", "padded_layout", "place_first_fit_decreasing",
+    "place_flat", "place_in_order", "place_padded", "relayout", "select_sequences",
+    "sequence_spans", "split_micro_batches",
 ]
 
 # Per-token fields moved as they are (``sequence_id`` and ``position`` are rebuilt from the
@@ -439,44 +440,3 @@ def split_micro_batches(batch: TokenBatch, num_micro_batches: int | None = None,
                          batch.capacity, index)
         out.append(MicroBatch(part, index, torch.arange(a, b, device=batch.device)))
     return out
-
-
-# ---------------------------------------------------------------------------------- step counts
-class StepCounts(NamedTuple):
-    """Counts of a whole optimizer step: loss tokens and sequences."""
-
-    num_loss_tokens: int
-    num_sequences: int
-
-
-def global_counts(batch: TokenBatch, *, group: dist.ProcessGroup | None = None) -> StepCounts:
-    """Number of loss tokens and of sequences of the step, summed over data-parallel ranks.
-
-    When ``torch.distributed`` is initialized, the local counts are all-reduced (sum) over
-    ``group`` (default: the world), so every rank gets the same global counts; otherwise they
-    are the local counts. Call it on the rank's whole step (all its micro-batches) before
-    computing ``loss_weight``: a token-mean normalizer ``1 / num_loss_tokens`` or a
-    sequence-mean ``1 / num_sequences`` is then the same on every rank and every micro-batch.
-    This is a collective: every rank of ``group`` must call it (with NCCL, on a GPU batch).
-    """
-    counts = torch.tensor([batch.num_loss_tokens, batch.num_sequences], dtype=torch.long,
-                          device=batch.device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-    return StepCounts(int(counts[0]), int(counts[1]))
-
-
-def data_parallel_loss_scale(*, group: dist.ProcessGroup | None = None) -> int:
-    """Factor that undoes DDP's gradient averaging: the world size (1 when not distributed).
-
-    DDP (and FSDP by default) all-reduces gradients with a *mean* over the ``W`` ranks:
-    ``g = (1/W) sum_r grad L_r``. With loss weights normalized by the global counts of
-    :func:`global_counts`, the rank losses already sum to the step's loss,
-    ``L = sum_r L_r``, so the wanted gradient is ``sum_r grad L_r = W g``. Multiply each rank's
-    loss by this factor (``W``) before ``backward()`` to get exactly ``grad L``; without it the
-    gradient is ``W`` times too small (Adam mostly hides that, up to ``eps`` and gradient
-    clipping; SGD does not).
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group)
-    return 1

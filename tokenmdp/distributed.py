@@ -1,0 +1,145 @@
+"""Counts of a whole optimizer step over data-parallel ranks, and DDP's loss scale.
+
+Aggregation is a per-token weight decided once per optimizer step (``../shared/DESIGN.md``):
+a token-mean divides by the loss tokens of *every* rank, a sequence-mean by the sequences of
+every rank. Each rank holds only its share of the step, so it all-reduces its counts first::
+
+    counts = global_counts(rank_batch)                     # collective: every rank calls it
+    rank_batch = estimators.prepare(rank_batch, est, num_tokens=counts.num_loss_tokens,
+                                    num_sequences=counts.num_sequences)
+    for mb in split_micro_batches(rank_batch, k):          # any split, any layout
+        value, _ = estimators.loss(ddp_model(mb.batch), mb.batch, est)
+        (value * data_parallel_loss_scale()).backward()    # undo DDP's mean over ranks
+
+The rank losses then sum to the loss of the global batch, and after DDP's all-reduce every rank
+holds exactly the single-process gradient of that batch (``tests/test_distributed.py`` checks
+it with two gloo processes). Without the global counts each rank normalizes by its own tokens
+(a mean of rank means: a different estimator whenever ranks hold unequal counts); without the
+scale the gradient is ``W`` times too small.
+
+This module sits at the bottom layer next to :mod:`tokenmdp.batch`: it imports no estimator.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from tokenmdp.batch import TokenBatch
+
+__all__ = ["StepCounts", "all_reduce_counts", "data_parallel_loss_scale", "global_counts"]
+
+
+class StepCounts(NamedTuple):
+    """Counts of a whole optimizer step: loss tokens, and sequences with at least one of them.
+
+    These are ``N_tokens`` and ``S`` of the aggregation table (``../shared/ESTIMATORS.md``),
+    the ``num_tokens`` and ``num_sequences`` arguments of ``estimators.prepare``.
+    """
+
+    num_loss_tokens: int
+    num_sequences: int
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_counts(counts: tuple[int, int], *, device: torch.device | str = "cpu",
+                      group: dist.ProcessGroup | None = None) -> StepCounts:
+    """Sum local ``(num_loss_tokens, num_sequences)`` over the ranks of ``group``.
+
+    Use it with counts computed elsewhere, e.g. ``estimators.step_counts(batch, est)`` for an
+    estimator whose masked-IS rejects leave the normalizer. Without an initialized process group
+    the counts are returned as they are. This is a collective: every rank of ``group`` must call
+    it; with NCCL pass a CUDA ``device``.
+
+    Parameters
+    ----------
+    counts : pair of int
+        This rank's loss tokens and sequences, both ``>= 0``.
+    device : torch.device or str
+        Where the small count tensor lives for the all-reduce.
+    group : ProcessGroup, optional
+        Default: the world.
+
+    Returns
+    -------
+    StepCounts
+    """
+    try:
+        tokens, sequences = counts
+    except (TypeError, ValueError):
+        raise TypeError(f"counts: expected a pair of ints, got {counts!r}") from None
+    values = []
+    for name, value in (("num_loss_tokens", tokens), ("num_sequences", sequences)):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"counts: {name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"counts: {name}={value} is negative")
+        values.append(value)
+    if not _is_distributed():
+        return StepCounts(*values)
+    summed = torch.tensor(values, dtype=torch.long, device=device)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    return StepCounts(int(summed[0]), int(summed[1]))
+
+
+def global_counts(batch: TokenBatch, *, mask: torch.Tensor | None = None,
+                  group: dist.ProcessGroup | None = None) -> StepCounts:
+    """Loss tokens and counted sequences of the step, summed over data-parallel ranks.
+
+    Counts the tokens where ``mask`` (default ``batch.loss_mask``) is set and the sequences with
+    at least one of them, exactly as ``estimators.count_step`` does (a sequence without loss
+    tokens is not in a sequence-mean), then all-reduces them (:func:`all_reduce_counts`). Call
+    it on the rank's whole step (all its micro-batches) before computing ``loss_weight``; then
+    ``1 / num_loss_tokens`` and ``1 / num_sequences`` are the same on every rank and every
+    micro-batch. A collective: every rank of ``group`` must call it (with NCCL, on a GPU batch).
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        This rank's share of the optimizer step, any layout.
+    mask : BoolTensor ``[R, C]``, optional
+        The tokens that count, inside ``batch.loss_mask``.
+    group : ProcessGroup, optional
+        Default: the world.
+
+    Returns
+    -------
+    StepCounts
+    """
+    if not isinstance(batch, TokenBatch):
+        raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
+    if mask is None:
+        mask = batch.loss_mask
+    elif not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or (
+            mask.shape != batch.loss_mask.shape):
+        raise ValueError(f"mask: expected a bool tensor of shape {tuple(batch.loss_mask.shape)}")
+    elif bool((mask & ~batch.loss_mask).any()):
+        raise ValueError("mask: set on tokens outside batch.loss_mask")
+    real = batch.sequence_id >= 0
+    per_sequence = torch.zeros(batch.num_sequences, dtype=torch.long, device=batch.device)
+    per_sequence.index_add_(0, batch.sequence_id[real].long(), mask[real].long())
+    return all_reduce_counts((int(mask.sum()), int((per_sequence > 0).sum())),
+                             device=batch.device, group=group)
+
+
+def data_parallel_loss_scale(*, group: dist.ProcessGroup | None = None) -> int:
+    """Factor that undoes DDP's gradient averaging: the world size (1 when not distributed).
+
+    DDP (and FSDP by default) all-reduces gradients with a *mean* over the ``W`` ranks:
+    ``g = (1/W) sum_r grad L_r``. With loss weights normalized by the global counts of
+    :func:`global_counts`, the rank losses already sum to the step's loss,
+    ``L = sum_r L_r``, so the wanted gradient is ``sum_r grad L_r = W g``. Multiply each rank's
+    loss by this factor (``W``) before ``backward()`` to get exactly ``grad L``; without it the
+    gradient is ``W`` times too small (Adam mostly hides that, up to ``eps`` and gradient
+    clipping; SGD does not).
+    """
+    if _is_distributed():
+        return dist.get_world_size(group)
+    return 1

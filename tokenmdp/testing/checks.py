@@ -1,0 +1,411 @@
+"""Invariance checks for a loss over a :class:`~tokenmdp.batch.TokenBatch`: value and gradient.
+
+Layout is memory, never meaning, and aggregation is decided once per optimizer step
+(``../shared/DESIGN.md``). So a correct loss has
+
+* the same value and the same parameter gradient in every layout of a step (padded, flat,
+  packed at any row capacity, sequences renumbered): :func:`check_layout_invariance`;
+* micro-batch losses that *sum* to the full-step loss, value and gradient, for any split,
+  when the step is prepared once on the full batch first: :func:`check_micro_batch_invariance`.
+
+Both run a model (a function ``batch -> logprobs_RC`` with parameters) and the user's
+``loss_fn(logprobs_RC, batch) -> scalar``, differentiate with respect to the model's parameters
+and return an :class:`InvarianceReport` with the largest differences. The default model is a
+:class:`TokenTable` (a free logit vector per prompt, position and previous token), or the exact
+:class:`~tokenmdp.exact.TabularPolicy` when an MDP is given.
+
+:func:`per_micro_batch_token_mean` is the named counter-example (each micro-batch normalized by
+its own token count), on which the micro-batch check fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from tokenmdp import estimators as _est
+from tokenmdp.batch import TokenBatch
+from tokenmdp.exact import TabularPolicy, TokenMDP
+
+__all__ = [
+    "FLOAT32_ATOL", "FLOAT32_RTOL", "FLOAT64_ATOL", "FLOAT64_RTOL", "InvarianceReport", "LossFn",
+    "TokenTable", "check_layout_invariance", "check_micro_batch_invariance", "default_tolerances",
+    "estimator_loss", "estimator_prepare", "per_micro_batch_token_mean",
+]
+
+LossFn = Callable[[torch.Tensor, TokenBatch], torch.Tensor]
+"""``loss_fn(logprobs_RC, batch) -> scalar tensor``, differentiable in ``logprobs_RC``."""
+
+#: float64: layouts and splits change only the order of summation (~1e-16 relative per term).
+FLOAT64_RTOL = 1e-10
+FLOAT64_ATOL = 1e-10
+#: float32: ~6e-8 relative per rounding; over the small batches of the strategies the largest
+#: difference seen was 5e-7 (loss) and 2e-7 relative (gradient), 10x below these.
+FLOAT32_RTOL = 1e-5
+FLOAT32_ATOL = 5e-6
+
+
+def default_tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    """``(rtol, atol)`` used by the checks for batches of ``dtype`` (float64 or float32)."""
+    if dtype == torch.float64:
+        return FLOAT64_RTOL, FLOAT64_ATOL
+    if dtype == torch.float32:
+        return FLOAT32_RTOL, FLOAT32_ATOL
+    raise TypeError(f"dtype: no default tolerances for {dtype}; pass rtol and atol")
+
+
+# ------------------------------------------------------------------------------ the report
+@dataclasses.dataclass(frozen=True)
+class InvarianceReport:
+    """Largest differences found by a check, against ``atol + rtol * scale``.
+
+    Attributes
+    ----------
+    loss_difference, gradient_difference : float
+        Largest ``|loss - loss_ref|`` and largest ``max |grad - grad_ref|`` over the cases.
+    loss_tolerance, gradient_tolerance : float
+        ``atol + rtol * |loss_ref|`` and ``atol + rtol * max |grad_ref|``.
+    reference_loss, gradient_scale : float
+        ``loss_ref`` and ``max |grad_ref|`` (0 means the gradient check was trivial).
+    worst_case : str
+        The layout or split with the largest difference relative to its tolerance.
+    num_cases : int
+        Number of layouts or splits compared.
+    """
+
+    loss_difference: float
+    gradient_difference: float
+    loss_tolerance: float
+    gradient_tolerance: float
+    reference_loss: float
+    gradient_scale: float
+    worst_case: str
+    num_cases: int
+
+    @property
+    def ok(self) -> bool:
+        """True when both differences are within their tolerances."""
+        return (self.loss_difference <= self.loss_tolerance
+                and self.gradient_difference <= self.gradient_tolerance)
+
+    def assert_ok(self) -> InvarianceReport:
+        """Return ``self`` if :attr:`ok`, else raise ``AssertionError`` describing the failure."""
+        if not self.ok:
+            raise AssertionError(
+                f"invariance violated in {self.worst_case}: loss differs by "
+                f"{self.loss_difference:.3g} (tolerance {self.loss_tolerance:.3g}, reference loss "
+                f"{self.reference_loss:.6g}); gradient differs by {self.gradient_difference:.3g} "
+                f"(tolerance {self.gradient_tolerance:.3g}, max |grad| {self.gradient_scale:.3g})")
+        return self
+
+
+# ------------------------------------------------------------------------------ default model
+class TokenTable(nn.Module):
+    """A tabular "policy" over tokens: a free logit vector per (prompt, position, previous token).
+
+    ``log pi(y_t | ...) = log_softmax(logits[prompt_index, position, previous token])[y_t]``,
+    where the previous token of a sequence's first token is the start symbol ``V``. It depends
+    only on a token's own sequence, never on the layout, and every parameter the batch touches
+    gets a gradient, so it is the default model of the checks (an embedding-style table, like
+    the exact :class:`~tokenmdp.exact.TabularPolicy` but needing no MDP).
+
+    Parameters
+    ----------
+    num_prompts, num_positions, vocab_size : int
+        Table sizes; token ids, positions and prompt indices must lie below them.
+    generator : torch.Generator
+        Source of the initial logits ``N(0, init_std^2)``.
+    dtype : torch.dtype
+        Dtype of the table (that of the batches it will score).
+    init_std : float
+    """
+
+    def __init__(self, num_prompts: int, num_positions: int, vocab_size: int, *,
+                 generator: torch.Generator, dtype: torch.dtype = torch.float64,
+                 init_std: float = 1.0) -> None:
+        super().__init__()
+        for name, value in (("num_prompts", num_prompts), ("num_positions", num_positions),
+                            ("vocab_size", vocab_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
+        table = torch.randn(num_prompts, num_positions, vocab_size + 1, vocab_size,
+                            generator=generator, dtype=torch.float64) * init_std
+        self.logits_PTVV = nn.Parameter(table.to(dtype))
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def for_batch(cls, batch: TokenBatch, *, seed: int = 0, init_std: float = 1.0) -> TokenTable:
+        """A table just large enough for ``batch`` (and for any re-layout or part of it)."""
+        if not isinstance(batch, TokenBatch):
+            raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
+        prompts = int(batch.prompt_index.max()) + 1 if batch.num_sequences else 1
+        return cls(prompts, int(batch.position.max()) + 1, max(int(batch.tokens.max()) + 1, 2),
+                   generator=torch.Generator().manual_seed(seed), dtype=batch.dtype,
+                   init_std=init_std)
+
+    def forward(self, batch: TokenBatch) -> torch.Tensor:
+        """``[R, C]`` log-probs of every real token (0 on padding), in the table's dtype."""
+        real = batch.sequence_id >= 0
+        previous = torch.full_like(batch.tokens, self.vocab_size)
+        previous[:, 1:] = batch.tokens[:, :-1]
+        previous = torch.where(real & (batch.position > 0), previous, self.vocab_size)
+        prompt_RC = batch.to_tokens(batch.prompt_index)
+        logits = self.logits_PTVV[prompt_RC, batch.position, previous]       # [R, C, V]
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[..., None])[..., 0]
+        return torch.where(real, logprobs, torch.zeros_like(logprobs))
+
+
+# ------------------------------------------------------------------------------ estimators
+def estimator_prepare(estimator: _est.Estimator, *, max_len: int | None = None
+                      ) -> Callable[[TokenBatch], TokenBatch]:
+    """``batch -> estimators.prepare(batch, estimator, max_len=max_len)`` (the step's weights)."""
+    _check_estimator(estimator)
+    return lambda batch: _est.prepare(batch, estimator, max_len=max_len)
+
+
+def estimator_loss(estimator: _est.Estimator) -> LossFn:
+    """``(logprobs_RC, batch) -> estimators.loss(logprobs_RC, batch, estimator)[0]``."""
+    _check_estimator(estimator)
+    return lambda logprobs_RC, batch: _est.loss(logprobs_RC, batch, estimator)[0]
+
+
+def per_micro_batch_token_mean(estimator: _est.Estimator) -> LossFn:
+    """COUNTER-EXAMPLE: each micro-batch normalized by its own loss tokens.
+
+    :func:`tokenmdp.estimators.per_micro_batch_token_mean_loss` (``estimator``'s loss with
+    token-mean weights recomputed from the micro-batch at hand, ignoring ``loss_weight``) as a
+    ``loss_fn``. On a whole step it equals the token-mean loss. Accumulated as frameworks did,
+    the mean of the micro-batch means (``check_micro_batch_invariance(...,
+    average_micro_batches=True)``), it is the step's token mean only when every micro-batch
+    holds the same number of loss tokens; summed, only with one micro-batch. Either way
+    :func:`check_micro_batch_invariance` fails on it.
+    """
+    _check_estimator(estimator)
+
+    def loss_fn(logprobs_RC: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+        return _est.per_micro_batch_token_mean_loss(logprobs_RC, batch, estimator)[0]
+    return loss_fn
+
+
+# ------------------------------------------------------------------------------ the checks
+def check_layout_invariance(
+    loss_fn: LossFn, batch: TokenBatch, layout_fns: Sequence[Callable[[TokenBatch], TokenBatch]],
+    *, prepare: Callable[[TokenBatch], TokenBatch] | None = None, model: object = None,
+    parameters: Iterable[torch.Tensor] | None = None, mdp: TokenMDP | None = None, seed: int = 0,
+    rtol: float | None = None, atol: float | None = None, raise_on_failure: bool = False,
+) -> InvarianceReport:
+    """Compare loss and gradient on ``batch`` with those on every ``layout_fn(batch)``.
+
+    Each layout holds the whole step, so ``prepare`` (if given) runs on each layout separately:
+    it is checked too.
+
+    Parameters
+    ----------
+    loss_fn : callable ``(logprobs_RC, batch) -> scalar tensor``
+        The loss under test.
+    batch : TokenBatch
+        The reference step.
+    layout_fns : sequence of callables ``batch -> batch``
+        Re-layouts of the step (e.g. from :func:`tokenmdp.testing.layouts`).
+    prepare : callable ``batch -> batch``, optional
+        Step preparation (advantages, loss weights), e.g. :func:`estimator_prepare`.
+    model : callable ``batch -> logprobs_RC``, or an object with ``token_logprobs(batch)``
+        Default: :class:`TokenTable` for ``batch`` (seeded by ``seed``), or
+        ``TabularPolicy(mdp)`` when ``mdp`` is given.
+    parameters : iterable of tensors, optional
+        What the gradient is taken with respect to (default: ``model.parameters()``).
+    mdp : TokenMDP, optional
+        Use the exact tabular policy of this MDP as the model (float64 batches of its sequences).
+    seed : int
+        Seed of the default model's initial parameters.
+    rtol, atol : float, optional
+        Tolerances (default :func:`default_tolerances` of ``batch.dtype``).
+    raise_on_failure : bool
+        Call :meth:`InvarianceReport.assert_ok` before returning.
+
+    Returns
+    -------
+    InvarianceReport
+    """
+    _check_common(loss_fn, batch, prepare, raise_on_failure=raise_on_failure)
+    layout_fns = _check_callables("layout_fns", layout_fns)
+    rtol, atol = _tolerances(batch, rtol, atol)
+    logprobs_fn, params = _resolve_model(model, parameters, mdp, batch, seed)
+    prepare = prepare or (lambda b: b)
+
+    def evaluate(step: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return _loss_and_grad([step], loss_fn, logprobs_fn, params)
+
+    reference = evaluate(prepare(batch))
+    cases = [(repr(f), evaluate(prepare(_checked_output("layout_fn", f(batch))))) for f in layout_fns]
+    return _report(reference, cases, rtol, atol, raise_on_failure)
+
+
+def check_micro_batch_invariance(
+    loss_fn: LossFn, batch: TokenBatch, splits: Sequence[Callable[[TokenBatch], Sequence[TokenBatch]]],
+    *, prepare: Callable[[TokenBatch], TokenBatch] | None = None, model: object = None,
+    parameters: Iterable[torch.Tensor] | None = None, mdp: TokenMDP | None = None, seed: int = 0,
+    rtol: float | None = None, atol: float | None = None, raise_on_failure: bool = False,
+    average_micro_batches: bool = False,
+) -> InvarianceReport:
+    """Compare the full-step loss and gradient with the *sum* over micro-batches, for each split.
+
+    The right protocol: ``prepare`` runs once, on the full ``batch`` (global counts, whole
+    groups); each split cuts the prepared batch; ``loss_fn`` runs on every micro-batch and the
+    micro-batch losses are summed (as gradient accumulation sums gradients).
+
+    Parameters
+    ----------
+    loss_fn : callable ``(logprobs_RC, micro_batch) -> scalar tensor``
+        The per-micro-batch loss under test.
+    batch : TokenBatch
+        The full step.
+    splits : sequence of callables ``batch -> list of TokenBatch``
+        Each returns micro-batches that together hold every sequence of its input once (e.g.
+        from :func:`tokenmdp.testing.micro_batch_splits`).
+    prepare, model, parameters, mdp, seed, rtol, atol, raise_on_failure
+        As in :func:`check_layout_invariance`.
+    average_micro_batches : bool
+        Combine the micro-batch losses by their mean instead of their sum (gradient
+        accumulation that divides by the number of micro-batches), to check a trainer that
+        does so. A loss that is right for summing fails then, unless a split has one part.
+
+    Returns
+    -------
+    InvarianceReport
+    """
+    _check_common(loss_fn, batch, prepare, raise_on_failure=raise_on_failure,
+                  average_micro_batches=average_micro_batches)
+    splits = _check_callables("splits", splits)
+    rtol, atol = _tolerances(batch, rtol, atol)
+    logprobs_fn, params = _resolve_model(model, parameters, mdp, batch, seed)
+    step = prepare(batch) if prepare is not None else batch
+    reference = _loss_and_grad([step], loss_fn, logprobs_fn, params)
+    cases = []
+    for split in splits:
+        parts = split(step)
+        if isinstance(parts, TokenBatch) or not isinstance(parts, Sequence) or not parts:
+            raise TypeError(f"splits: {split!r} must return a non-empty list of TokenBatch")
+        parts = [_checked_output("splits", p) for p in parts]
+        if sum(p.num_sequences for p in parts) != step.num_sequences:
+            raise ValueError(f"splits: {split!r} returned {sum(p.num_sequences for p in parts)} "
+                             f"sequences for a step of {step.num_sequences}")
+        value, grad = _loss_and_grad(parts, loss_fn, logprobs_fn, params)
+        if average_micro_batches:
+            value, grad = value / len(parts), grad / len(parts)
+        cases.append((repr(split), (value, grad)))
+    return _report(reference, cases, rtol, atol, raise_on_failure)
+
+
+# ------------------------------------------------------------------------------ internals
+def _check_estimator(estimator) -> None:
+    if not isinstance(estimator, _est.Estimator):
+        raise TypeError(f"estimator: expected an Estimator, got {type(estimator).__name__}")
+
+
+def _check_common(loss_fn, batch, prepare, **flags: bool) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn: expected a callable (logprobs_RC, batch) -> loss, got "
+                        f"{type(loss_fn).__name__}")
+    if not isinstance(batch, TokenBatch):
+        raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
+    if prepare is not None and not callable(prepare):
+        raise TypeError(f"prepare: expected a callable batch -> batch, got {type(prepare).__name__}")
+
+
+def _check_callables(name: str, fns) -> list:
+    if callable(fns) or not isinstance(fns, Iterable):
+        raise TypeError(f"{name}: expected a sequence of callables (wrap a single one in a list)")
+    fns = list(fns)
+    if not fns:
+        raise ValueError(f"{name}: expected at least one")
+    for f in fns:
+        if not callable(f):
+            raise TypeError(f"{name}: {f!r} is not callable")
+    return fns
+
+
+def _checked_output(name: str, value: object) -> TokenBatch:
+    if not isinstance(value, TokenBatch):
+        raise TypeError(f"{name}: must return TokenBatch objects, got {type(value).__name__}")
+    return value
+
+
+def _tolerances(batch: TokenBatch, rtol, atol) -> tuple[float, float]:
+    default_rtol, default_atol = (default_tolerances(batch.dtype) if None in (rtol, atol)
+                                  else (rtol, atol))
+    out = []
+    for name, value in (("rtol", default_rtol if rtol is None else rtol),
+                        ("atol", default_atol if atol is None else atol)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+        out.append(float(value))
+    return out[0], out[1]
+
+
+def _resolve_model(model, parameters, mdp, batch, seed):
+    if mdp is not None and not isinstance(mdp, TokenMDP):
+        raise TypeError(f"mdp: expected a TokenMDP, got {type(mdp).__name__}")
+    if model is None:
+        model = (TokenTable.for_batch(batch, seed=seed) if mdp is None else
+                 TabularPolicy(mdp, generator=torch.Generator().manual_seed(seed)))
+    fn = getattr(model, "token_logprobs", None) or model
+    if not callable(fn):
+        raise TypeError(f"model: expected a callable batch -> logprobs_RC or an object with "
+                        f"token_logprobs(batch), got {type(model).__name__}")
+    if parameters is None:
+        if not isinstance(model, nn.Module):
+            raise TypeError("parameters: required when model is not a torch.nn.Module")
+        parameters = model.parameters()
+    params = list(parameters)
+    if not params or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
+        raise ValueError("parameters: expected at least one tensor, each with requires_grad=True")
+    return fn, params
+
+
+def _loss_and_grad(parts, loss_fn, logprobs_fn, params) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of ``loss_fn`` over ``parts`` and its gradient, flattened, both detached."""
+    total = None
+    for part in parts:
+        value = loss_fn(logprobs_fn(part), part)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise TypeError(f"loss_fn: must return a scalar tensor, got "
+                            f"{getattr(value, 'shape', type(value).__name__)}")
+        total = value if total is None else total + value
+    if total.requires_grad:
+        grads = torch.autograd.grad(total, params, allow_unused=True)
+    else:  # a loss that does not touch the parameters (e.g. no loss tokens)
+        grads = [None] * len(params)
+    flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                      for p, g in zip(params, grads)])
+    return total.detach(), flat.detach()
+
+
+def _report(reference, cases, rtol, atol, raise_on_failure) -> InvarianceReport:
+    ref_loss, ref_grad = reference
+    loss_scale = float(ref_loss.abs())
+    grad_scale = float(ref_grad.abs().max()) if ref_grad.numel() else 0.0
+    loss_tol, grad_tol = atol + rtol * loss_scale, atol + rtol * grad_scale
+    worst, worst_ratio, loss_diff, grad_diff = "", -1.0, 0.0, 0.0
+    for name, (value, grad) in cases:
+        dl = float((value - ref_loss).abs())
+        dg = float((grad - ref_grad).abs().max()) if grad.numel() else 0.0
+        if math.isnan(dl) or math.isnan(dg):
+            dl = dg = math.inf
+        loss_diff, grad_diff = max(loss_diff, dl), max(grad_diff, dg)
+        ratio = max(dl / loss_tol if loss_tol else dl, dg / grad_tol if grad_tol else dg)
+        if ratio > worst_ratio:
+            worst, worst_ratio = name, ratio
+    report = InvarianceReport(loss_diff, grad_diff, loss_tol, grad_tol, float(ref_loss),
+                              grad_scale, worst, len(cases))
+    return report.assert_ok() if raise_on_failure else report
