@@ -30,8 +30,9 @@ def main() -> None:
     parser.add_argument("--estimators", default=",".join(E.names()))
     parser.add_argument("--mc-batches", type=int, default=2048,
                         help="Monte Carlo batches timed for the throughput figure")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     mdp = TokenMDP(args.vocab, args.max_len, Parity(1))
     pi = TabularPolicy(mdp, generator=torch.Generator().manual_seed(0))
     old = stale_copy(mdp, pi, distance=0.5)

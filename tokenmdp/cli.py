@@ -111,6 +111,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from tokenmdp.exact.step_gradients import state_action_jacobian
     from tokenmdp.plots import plot_comparison
 
+    torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.estimators.split(",") if n.strip()]
     ests = [estimators.get(n) for n in names]  # unknown names fail here, before any work
     if args.group_size < 1:
@@ -185,6 +186,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="exact enumeration of group draws, or Monte Carlo")
     p.add_argument("--samples", type=int, default=4096, help="Monte Carlo batches")
     p.add_argument("--out", default="compare_out", help="folder for the PNG, CSV and JSON")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads (the exact lab's many small operations run fastest "
+                        "on one)")
     p.set_defaults(func=cmd_compare, reward="random", prompts=2, max_len=3)
     p = sub.add_parser("estimators", help=cmd_estimators.__doc__,
                        description=cmd_estimators.__doc__)
