@@ -1,8 +1,14 @@
 """tokenmdp: the estimator theory of RL for language models, exact and runnable.
 
-Layers, bottom to top: :mod:`tokenmdp.batch` (the one batch type, :class:`TokenBatch`),
-:mod:`tokenmdp.exact` (an enumerable token MDP with its true objective and gradient),
-and the command line in :mod:`tokenmdp.cli`. Lower layers never import upper ones.
+Layers, bottom to top (lower layers never import upper ones):
+
+* :mod:`tokenmdp.batch` (the one batch type, :class:`TokenBatch`), :mod:`tokenmdp.packing`,
+  :mod:`tokenmdp.distributed`, :mod:`tokenmdp.interop`;
+* :mod:`tokenmdp.estimators` — every estimator as a composition of pure functions of tensors;
+* :mod:`tokenmdp.exact` — an enumerable token MDP, its true objective and gradient, and the
+  exact bias and variance of any estimator;
+* :mod:`tokenmdp.testing` (hypothesis strategies and invariance checks), :mod:`tokenmdp.plots`
+  and the command line :mod:`tokenmdp.cli`.
 
 Shape-suffix legend used in tensor names where a shape is not obvious:
 

@@ -1,4 +1,7 @@
-"""Plot helpers for the exact lab (matplotlib, Agg-safe: every function writes or returns a figure).
+"""Plot helpers for the exact lab (every function returns its figure, or writes it to ``path``).
+
+The module does not choose a backend: in a notebook figures show inline, on a headless machine
+matplotlib falls back to Agg by itself.
 
 * :func:`plot_comparison` — relative bias, cosine to ``∇J``, total variance and MSE per estimator;
 * :func:`plot_first_order` — true vs surrogate improvement along a path, the gap and its bound;
@@ -10,11 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
 import matplotlib.ticker
-
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
 
 __all__ = ["plot_comparison", "plot_first_order", "plot_length_drift"]
 
