@@ -179,7 +179,7 @@ def _by_exchangeability(steps: StepGradients, mdp: TokenMDP, probs_N: torch.Tens
         S1 = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
         for sl, (draw, pair, coef) in steps.sparse_blocks(ids, first_only=True):
             n_sl = int(w[sl].numel())
-            sq1 += w[sl] @ steps.sq_norms(draw, pair, coef, n_sl)
+            sq1 += w[sl] @ steps.sq_norms(draw, pair, coef, n_sl, one_path=True)
             A_C.index_put_((slot[sl][draw], pair), coef * q_step[sl][draw], accumulate=True)
             if keep_cov:
                 g = steps.to_params(steps.dense(draw, pair, coef, n_sl))

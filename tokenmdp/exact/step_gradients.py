@@ -121,6 +121,7 @@ class StepGradients:
             with torch.no_grad():
                 self.tabular_probs = torch.cat([x.exp().reshape(-1, mdp.vocab_size)
                                                 for x in state_logprobs(mdp, policy)])
+                self.tabular_sumsq = (self.tabular_probs ** 2).sum(-1)     # ‖π(·|s)‖²
         else:
             self.jacobian = state_action_jacobian(mdp, policy) if jacobian is None else jacobian
             if self.jacobian.shape != (self.num_pairs, self.num_params):
@@ -169,13 +170,21 @@ class StepGradients:
         return (C - self.tabular_probs * C.sum(-1, keepdim=True)).reshape(C.shape[0], -1)
 
     def sq_norms(self, draw: torch.Tensor, pair: torch.Tensor, coef: torch.Tensor,
-                 num_draws: int) -> torch.Tensor:
-        """``‖ĝ_draw‖²`` ``[num_draws]``, touching only the states each draw visits (tabular)."""
+                 num_draws: int, *, one_path: bool = False) -> torch.Tensor:
+        """``‖ĝ_draw‖²`` ``[num_draws]``, touching only the states each draw visits (tabular).
+
+        ``one_path``: each draw's tokens come from one response, so its states are distinct and
+        ``‖ĝ‖² = Σ_t c_t² ‖e_{a_t} − π(·|s_t)‖² = Σ_t c_t² (1 − 2π(a_t|s_t) + ‖π(·|s_t)‖²)``.
+        """
         if self.jacobian is not None:
             g = self.to_params(self.dense(draw, pair, coef, num_draws))
             return (g * g).sum(1)
         V = self.mdp.vocab_size
         state, action = pair // V, pair % V
+        if one_path:
+            norm2 = 1 - 2 * self.tabular_probs[state, action] + self.tabular_sumsq[state]
+            return torch.zeros(num_draws, dtype=torch.float64).index_add_(0, draw,
+                                                                          coef * coef * norm2)
         keys, inverse = torch.unique(draw * self.mdp.num_states + state, return_inverse=True)
         buf = torch.zeros(keys.numel(), V, dtype=torch.float64)
         buf.index_put_((inverse, action), coef, accumulate=True)       # C[draw, state, :]
