@@ -73,16 +73,17 @@ def main() -> None:
     parser.add_argument("--loop", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--loop-max-sequences", type=int, default=12_000,
                         help="run the Python-loop baseline up to this many sequences")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if args.one is not None:
         print(json.dumps(run_one(args.one, args.loop)))
         return
-    torch.set_num_threads(2)
     print(f"{'sequences':>10} {'states':>9} {'build s':>8} {'J+∇J s':>8} {'peak MB':>8} "
           f"{'loop s':>8} {'speed-up':>9} {'max|Δ|':>9}")
     for L in LENGTHS:
         n = sum((VOCAB - 1) ** k for k in range(L + 1))
-        cmd = [sys.executable, __file__, "--one", str(L)]
+        cmd = [sys.executable, __file__, "--one", str(L), "--threads", str(args.threads)]
         if n <= args.loop_max_sequences:
             cmd.append("--loop")
         r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)

@@ -84,6 +84,9 @@ FD_TOL = 1e-8      # central finite differences with step FD_STEP (error ~ FD_ST
 FD_STEP = 1e-5
 
 print("tokenmdp", tokenmdp.__version__, "| torch", torch.__version__)
+
+# Every tensor here is tiny: one CPU thread avoids the cost of synchronizing several.
+torch.set_num_threads(1)
 """)
 
 # ============================================================================ 1. the MDP

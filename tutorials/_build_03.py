@@ -140,6 +140,9 @@ Z_TOL = 4.0        # |Monte Carlo estimate - exact| in standard errors
 G = 2              # responses per prompt
 METHOD = "enumeration"  # exact moments: every group of G responses, with its probability
 print("tokenmdp", tokenmdp.__version__, "| torch", torch.__version__)
+
+# Every tensor here is tiny: one CPU thread avoids the cost of synchronizing several.
+torch.set_num_threads(1)
 """)
 
 code(r"""
