@@ -8,18 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from _notebook import NotebookBuilder
 
-CELLS: list[tuple[str, str]] = []
-
-
-def md(text: str) -> None:
-    CELLS.append(("md", text.strip("\n")))
-
-
-def code(text: str) -> None:
-    CELLS.append(("code", text.strip("\n")))
+NOTEBOOK = NotebookBuilder()
+md, code = NOTEBOOK.md, NOTEBOOK.code
 
 
 # ============================================================================ introduction
@@ -762,19 +754,6 @@ shrinkage.
 """)
 
 
-def build() -> nbformat.NotebookNode:
-    nb = new_notebook()
-    nb.cells = [new_markdown_cell(src) if kind == "md" else new_code_cell(src)
-                for kind, src in CELLS]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    return nb
-
 
 if __name__ == "__main__":
-    out = Path(__file__).with_name("04_who_counts_the_tokens.ipynb")
-    notebook = build()
-    nbformat.validate(notebook)
-    nbformat.write(notebook, out)
-    print(f"wrote {out} ({len(notebook.cells)} cells)")
+    NOTEBOOK.write(Path(__file__).with_name("04_who_counts_the_tokens.ipynb"))
