@@ -7,6 +7,9 @@ Layers, bottom to top (lower layers never import upper ones):
 * :mod:`tokenmdp.estimators` — every estimator as a composition of pure functions of tensors;
 * :mod:`tokenmdp.exact` — an enumerable token MDP, its true objective and gradient, and the
   exact bias and variance of any estimator;
+* :mod:`tokenmdp.model` (the tiny MoE transformer with routing record/replay) and
+  :mod:`tokenmdp.rl` (the rollout engine with its own numerics, routing replay R2/R3) — the
+  trainer world;
 * :mod:`tokenmdp.testing` (hypothesis strategies and invariance checks), :mod:`tokenmdp.plots`
   and the command line :mod:`tokenmdp.cli`.
 

@@ -1,0 +1,161 @@
+"""The MoE transformer and the rollout engine: generation and training throughput, the cost of
+routing replay, and the training-inference gap per engine precision.
+
+1. Generation tokens/s with the KV cache vs recomputing the whole prefix at every step
+   (``--gen-tokens`` new tokens per sequence; target >= 5x at 128).
+2. Training tokens/s (forward + backward of a weighted NLL), packed (first-fit decreasing) vs
+   padded, on long-tailed lengths ``round(LogNormal(ln 48, 0.9))`` clipped to ``[4, 512]``
+   (target >= 1.5x). Tokens/s counts real tokens only.
+3. Overhead of routing replay: the same training step with and without a replayed trace
+   (target <= 5%).
+4. Routing mismatch rate and training-inference KL (k3) per engine precision, without replay and
+   with R3, on one sampled batch.
+
+Times are the best of ``--repeats`` runs, on the CPU with ``--threads`` intra-op threads (default
+1: small kernels on a shared machine lose far more to thread hand-offs than they gain).
+
+Usage: ``python benchmarks/model.py [--gen-tokens 128] [--repeats 3] [--threads 1] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from tokenmdp.batch import TokenBatch
+from tokenmdp.model import ModelConfig, MoETransformer
+from tokenmdp.packing import pack_first_fit_decreasing, padded_layout
+from tokenmdp.rl import (
+    ENGINE_ROUTING,
+    OLD_ROUTING,
+    PRECISIONS,
+    RolloutEngine,
+    compute_old_logprobs,
+    routing_mismatch_rate,
+    training_inference_kl,
+)
+
+CONFIG = ModelConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_experts=8, top_k=2,
+                     expert_hidden=128, init_std=0.05)
+
+
+def best_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CONFIG.vocab_size - 1, (n, length), generator=gen).tolist()
+
+
+def bench_generation(model, gen_tokens: int, repeats: int) -> None:
+    engine = RolloutEngine(model)
+    ps = prompts(16, 16, 0)
+    rates = {}
+    for use_cache in (True, False):
+        out = {}
+
+        def run(use_cache=use_cache, out=out):
+            # sequences may stop early at EOS; the rate counts the tokens actually generated
+            out["b"] = engine.generate(ps, max_new_tokens=gen_tokens, eos_id=CONFIG.vocab_size - 1,
+                                       generator=torch.Generator().manual_seed(1),
+                                       use_cache=use_cache)
+
+        t = best_time(run, repeats)
+        rates[use_cache] = int(out["b"].length.sum()) / t
+    print(f"generation, 16 prompts x 16 tokens, {gen_tokens} new tokens each")
+    print(f"  KV cache      {rates[True]:10.0f} tokens/s")
+    print(f"  recompute     {rates[False]:10.0f} tokens/s")
+    print(f"  speed-up      {rates[True] / rates[False]:10.1f}x   (target >= 5x)")
+
+
+def long_tailed_batch(num_sequences: int, seed: int) -> TokenBatch:
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.round(rng.lognormal(np.log(48), 0.9, num_sequences)), 4, 512).astype(int)
+    ps, rs = [], []
+    for n in lengths:
+        toks = rng.integers(0, CONFIG.vocab_size, n).tolist()
+        ps.append(toks[: n // 4 or 1])
+        rs.append(toks[n // 4 or 1:])
+    return TokenBatch.from_sequences(ps, rs, dtype=torch.float32)
+
+
+def train_step(model, batch, routing=None) -> None:
+    lp = model.token_logprobs(batch, routing=routing)
+    loss = -(batch.loss_weight * batch.advantage * lp).sum() / max(batch.num_loss_tokens, 1)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+
+
+def bench_training(model, repeats: int, num_sequences: int) -> None:
+    batch = long_tailed_batch(num_sequences, 0)
+    longest = int(batch.sequence_lengths_total().max())
+    padded = padded_layout(batch)
+    packed = pack_first_fit_decreasing(batch, longest)
+    n = batch.num_real_tokens
+    train_step(model, packed)  # warm-up (allocator, first-call costs)
+    t_pad = best_time(lambda: train_step(model, padded), repeats)
+    t_pack = best_time(lambda: train_step(model, packed), repeats)
+    print(f"training step, {num_sequences} sequences, {n} tokens, longest {longest}")
+    print(f"  padded  {padded.num_rows:4d} x {padded.capacity:4d}  {n / t_pad:10.0f} tokens/s")
+    print(f"  packed  {packed.num_rows:4d} x {packed.capacity:4d}  {n / t_pack:10.0f} tokens/s")
+    print(f"  speed-up      {t_pad / t_pack:10.2f}x   (target >= 1.5x)")
+    with torch.no_grad():
+        _, trace = model.token_logprobs(packed, record_routing=True)
+    # interleaved, so that a change of machine load hits both alike
+    t_plain = t_replay = float("inf")
+    for _ in range(2 * repeats):
+        t_plain = min(t_plain, best_time(lambda: train_step(model, packed), 1))
+        t_replay = min(t_replay, best_time(lambda: train_step(model, packed, trace), 1))
+    print(f"routing replay overhead on the packed step: {100 * (t_replay / t_plain - 1):+.1f}%   "
+          "(target <= 5%)")
+
+
+def bench_precisions(model, gen_tokens: int) -> None:
+    ps = prompts(64, 8, 2)
+    print(f"training-inference gap, 64 prompts, {gen_tokens} new tokens (k3 KL per token)")
+    print(f"  {'engine':8s} {'mismatch':>9s} {'KL none':>10s} {'KL R3':>10s} {'mismatch R3':>12s}")
+    for precision in PRECISIONS:
+        engine = RolloutEngine(model, precision=precision)
+        batch = engine.generate(ps, max_new_tokens=gen_tokens, eos_id=CONFIG.vocab_size - 1,
+                                generator=torch.Generator().manual_seed(3))
+        row = []
+        for replay in ("none", "r3"):
+            step = compute_old_logprobs(model, batch, replay)
+            row.append((routing_mismatch_rate(step.token_extras[OLD_ROUTING],
+                                              batch.token_extras[ENGINE_ROUTING]),
+                        training_inference_kl(step)))
+        print(f"  {precision:8s} {row[0][0]:9.4f} {row[0][1]:10.2e} {row[1][1]:10.2e} "
+              f"{row[1][0]:12.4f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.gen_tokens, args.repeats, args.sequences = 16, 1, 16
+    model = MoETransformer(CONFIG, generator=torch.Generator().manual_seed(0))
+    print(f"model: {CONFIG}; torch threads: {torch.get_num_threads()}\n")
+    bench_generation(model, args.gen_tokens, args.repeats)
+    print()
+    bench_training(model, args.repeats, args.sequences)
+    print()
+    bench_precisions(model, min(args.gen_tokens, 32))
+
+
+if __name__ == "__main__":
+    main()

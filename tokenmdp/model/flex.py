@@ -1,0 +1,50 @@
+"""Document-masked attention with FlexAttention: the fast path for packed rows on CUDA.
+
+Imported only when the model's ``attention`` option selects it (never at package import), so the
+CPU path needs nothing from here. The block mask says the same thing as
+:func:`tokenmdp.model.transformer.sequence_attention_mask`: a query sees the keys of its own
+sequence at or before it, and a padding query sees only itself.
+
+On CUDA ``flex_attention`` is compiled once (``torch.compile``) and skips fully masked blocks; on
+the CPU it runs PyTorch's eager reference implementation (slow; for tests of equality only).
+The CUDA path is not exercised by the CPU test suite.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["document_block_mask", "flex_attention"]
+
+
+def document_block_mask(sequence_id_RC: torch.Tensor):
+    """A ``BlockMask`` for rows of packed sequences (same sequence, causal; padding sees itself)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    sid = sequence_id_RC
+
+    def mask_mod(b, h, q, k):
+        same = (sid[b, q] == sid[b, k]) & (sid[b, q] >= 0) & (k <= q)
+        return same | (q == k)
+
+    R, C = sid.shape
+    return create_block_mask(mask_mod, R, None, C, C, device=sid.device)
+
+
+@functools.cache
+def _compiled():
+    from torch.nn.attention.flex_attention import flex_attention as fa
+
+    return torch.compile(fa, dynamic=False)
+
+
+def flex_attention(q_RhCd: torch.Tensor, k_RhCd: torch.Tensor, v_RhCd: torch.Tensor,
+                   block_mask) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d) + mask) v`` under ``block_mask``; compiled on CUDA only."""
+    if q_RhCd.is_cuda:
+        return _compiled()(q_RhCd, k_RhCd, v_RhCd, block_mask=block_mask)
+    from torch.nn.attention.flex_attention import flex_attention as fa
+
+    return fa(q_RhCd, k_RhCd, v_RhCd, block_mask=block_mask)

@@ -1,0 +1,319 @@
+"""A tiny decoder-only MoE transformer that implements the exact world's policy protocol.
+
+Token embedding, RoPE with the positions the batch gives (they restart at 0 for every
+sequence), RMSNorm, attention that is causal *and* restricted to the token's own sequence
+(so sequences packed in one row never see each other), and MoE (or dense) SwiGLU MLPs.
+
+The policy protocol (:mod:`tokenmdp.exact.policies`):
+
+* ``token_logprobs(batch) -> [R, C]``: ``log pi(y_t | x, y_<t)`` of each response token, 0 on
+  prompt tokens and padding; the token at column ``c`` is predicted by the output at ``c - 1``;
+* ``next_token_logprobs(batch) -> [R, C, V]``: the full distribution each response token was
+  drawn from, 0 elsewhere.
+
+Routing: ``token_logprobs(batch, routing=trace, record_routing=True)`` replays a
+:class:`RoutingTrace` (expert ids ``[R, C, layers, K]``, ``-1`` where a token has no record) and
+returns the routing it used. Traces are per-token data: put ``trace.experts`` in
+``batch.token_extras`` and packing moves it with the tokens.
+
+On the CPU attention is ``scaled_dot_product_attention`` with a boolean mask; on CUDA a
+FlexAttention document mask (:mod:`tokenmdp.model.flex`, config ``attention``). Shape suffixes:
+``R`` rows, ``C`` columns (queries), ``T`` key columns, ``D`` width, ``h`` heads, ``d`` head size,
+``L`` routed layers, ``K`` experts per token, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmdp.batch import TokenBatch
+from tokenmdp.model.config import ModelConfig
+from tokenmdp.model.moe import DenseMLP, MoE, _normal
+
+__all__ = ["MoETransformer", "RoutingTrace", "KVCache", "ModelOutput", "sequence_attention_mask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingTrace:
+    """Expert ids used by every token in every routed layer.
+
+    Attributes
+    ----------
+    experts : LongTensor ``[R, C, L, K]``
+        Expert ids, aligned with the batch's tokens; ``-1`` where a token has no record (padding,
+        or the last sampled token, which an inference engine never routes).
+    """
+
+    experts: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.experts, torch.Tensor) or self.experts.dim() != 4:
+            raise TypeError("experts: expected a LongTensor [R, C, L, K], got "
+                            f"{getattr(self.experts, 'shape', type(self.experts).__name__)}")
+        if self.experts.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8,
+                                      torch.int8):
+            raise TypeError(f"experts: expected an integer tensor, got {self.experts.dtype}")
+
+    @property
+    def recorded(self) -> torch.Tensor:
+        """Bool ``[R, C]``: tokens with a complete record in every layer."""
+        return (self.experts >= 0).flatten(2).all(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOutput:
+    """``logits_RCV`` (output at each column, predicting the *next* token), the routing used
+    (``experts_RCLK``) and the summed load-balancing loss of the routed layers."""
+
+    logits_RCV: torch.Tensor
+    experts_RCLK: torch.Tensor
+    load_balancing_loss: torch.Tensor
+
+
+class KVCache:
+    """Keys and values of one sequence per row, ``[R, h, T, d]`` per layer, for incremental
+    decoding: the token at column ``t`` of a row is stored at cache column ``t``."""
+
+    def __init__(self, config: ModelConfig, rows: int, capacity: int, *, device=None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        shape = (rows, config.n_heads, capacity, config.head_size)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+
+def sequence_attention_mask(sequence_id_RC: torch.Tensor) -> torch.Tensor:
+    """Bool ``[R, 1, C, C]``: query ``q`` sees key ``k`` iff both belong to the same sequence and
+    ``k <= q`` (sequences are contiguous, so column order is position order). Padding queries see
+    only themselves, so no row of the mask is empty."""
+    C = sequence_id_RC.shape[1]
+    col = torch.arange(C, device=sequence_id_RC.device)
+    same_RCC = (sequence_id_RC[:, :, None] == sequence_id_RC[:, None, :]) & (sequence_id_RC >= 0)[:, :, None]
+    mask_RCC = (same_RCC & (col[None, :] <= col[:, None])) | torch.eye(C, dtype=torch.bool,
+                                                                       device=col.device)
+    return mask_RCC[:, None]
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * w``, computed in float32 at least (as inference engines do)."""
+
+    def __init__(self, dim: int, eps: float, *, device=None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * self.weight
+
+
+def rope_tables(position_RC: torch.Tensor, head_size: int, base: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` ``[R, 1, C, d/2]`` of angle ``position * base^{-2i/d}`` (float64, then cast)."""
+    inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float64,
+                                      device=position_RC.device) / head_size)
+    angle_RCd = position_RC.to(torch.float64)[..., None] * inv_freq
+    return angle_RCd.cos()[:, None].to(dtype), angle_RCd.sin()[:, None].to(dtype)
+
+
+def apply_rope(x_RhCd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs ``(x_i, x_{i + d/2})`` by the position's angles."""
+    x1, x2 = x_RhCd.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with RoPE; with a cache it writes this call's keys and values at
+    ``cache_cols_RC`` and attends over the whole cache."""
+
+    def __init__(self, config: ModelConfig, *, generator: torch.Generator, device, dtype) -> None:
+        super().__init__()
+        D, std = config.d_model, config.init_std
+        self.n_heads = config.n_heads
+        self.w_qkv = _normal((D, 3 * D), std, generator, device, dtype)
+        self.w_out = _normal((D, D), std, generator, device, dtype)
+
+    def forward(self, x_RCD: torch.Tensor, cos, sin, mask_R1CT: torch.Tensor, *,
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache_cols_RC: torch.Tensor | None = None) -> torch.Tensor:
+        R, C, D = x_RCD.shape
+        h = self.n_heads
+        q, k, v = (x_RCD @ self.w_qkv).split(D, dim=-1)
+        q, k, v = (t.view(R, C, h, D // h).transpose(1, 2) for t in (q, k, v))  # (R, h, C, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k_cache, v_cache = cache                                           # (R, h, T, d)
+            rows_R1 = torch.arange(R, device=x_RCD.device)[:, None]
+            k_cache[rows_R1, :, cache_cols_RC] = k.transpose(1, 2)             # (R, C, h, d)
+            v_cache[rows_R1, :, cache_cols_RC] = v.transpose(1, 2)
+            k, v = k_cache, v_cache
+        if isinstance(mask_R1CT, torch.Tensor):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_R1CT)  # (R, h, C, d)
+        else:  # a FlexAttention BlockMask (tokenmdp.model.flex)
+            from tokenmdp.model.flex import flex_attention
+            y = flex_attention(q, k, v, mask_R1CT)                             # (R, h, C, d)
+        return y.transpose(1, 2).reshape(R, C, D) @ self.w_out                 # (R, C, D)
+
+
+class Block(nn.Module):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))`` with an MoE or dense MLP."""
+
+    def __init__(self, config: ModelConfig, *, generator: torch.Generator, device, dtype) -> None:
+        super().__init__()
+        std = config.init_std
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
+        self.attn = Attention(config, generator=generator, device=device, dtype=dtype)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
+        if config.dense:
+            self.mlp: nn.Module = DenseMLP(config.d_model, config.expert_hidden, std=std,
+                                           generator=generator, device=device, dtype=dtype)
+        else:
+            self.mlp = MoE(config.d_model, config.expert_hidden, config.n_experts, config.top_k,
+                           std=std, generator=generator,
+                           capacity_factor=config.expert_capacity_factor, device=device, dtype=dtype)
+
+    def forward(self, x_RCD, cos, sin, mask_R1CT, valid_RC, replay_RCK, cache, cache_cols_RC):
+        R, C, D = x_RCD.shape
+        x_RCD = x_RCD + self.attn(self.attn_norm(x_RCD), cos, sin, mask_R1CT, cache=cache,
+                                  cache_cols_RC=cache_cols_RC)
+        h_ND = self.mlp_norm(x_RCD).reshape(R * C, D)                         # (R*C, D)
+        if isinstance(self.mlp, DenseMLP):
+            return x_RCD + self.mlp(h_ND).view(R, C, D), None, None
+        replay_NK = None if replay_RCK is None else replay_RCK.reshape(R * C, -1)
+        y_ND, chosen_NK, aux = self.mlp(h_ND, valid_N=valid_RC.reshape(-1), replay_NK=replay_NK)
+        return x_RCD + y_ND.view(R, C, D), chosen_NK.view(R, C, -1), aux
+
+
+class MoETransformer(nn.Module):
+    """The trainer world's policy: a decoder-only MoE transformer over token batches.
+
+    Parameters
+    ----------
+    config : ModelConfig
+    generator : torch.Generator
+        Source of the initial weights (drawn in float64, then cast: the same seed gives the same
+        model in every dtype up to rounding).
+    device, dtype
+        Where and in which floating-point dtype the weights live (float64 for the exact world).
+    """
+
+    def __init__(self, config: ModelConfig, *, generator: torch.Generator, device=None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
+        self.config = config
+        std = config.init_std
+        V, D = config.vocab_size, config.d_model
+        self.embed = _normal((V, D), std, generator, device, dtype)
+        self.blocks = nn.ModuleList(Block(config, generator=generator, device=device, dtype=dtype)
+                                    for _ in range(config.n_layers))
+        self.final_norm = RMSNorm(D, config.norm_eps, device=device, dtype=dtype)
+        self.lm_head = _normal((D, V), std, generator, device, dtype)
+
+    # ------------------------------------------------------------------ core
+    def forward_tokens(self, tokens_RC: torch.Tensor, position_RC: torch.Tensor,
+                       mask_R1CT: torch.Tensor, valid_RC: torch.Tensor, *,
+                       routing_RCLK: torch.Tensor | None = None, cache: KVCache | None = None,
+                       cache_cols_RC: torch.Tensor | None = None) -> ModelOutput:
+        """The forward pass on raw tensors (the batch API and the rollout engine both call it).
+
+        ``mask_R1CT`` says which keys each query sees (``T = C`` without a cache, the cache
+        capacity with one); ``routing_RCLK`` replays experts where its entries are ``>= 0``.
+        """
+        cfg = self.config
+        if tokens_RC.numel() and int(tokens_RC.max()) >= cfg.vocab_size:
+            raise ValueError(f"tokens: ids must be < vocab_size={cfg.vocab_size}")
+        x = self.embed[tokens_RC]                                              # (R, C, D)
+        cos, sin = rope_tables(position_RC, cfg.head_size, cfg.rope_base, x.dtype)
+        experts, aux = [], x.new_zeros((), dtype=torch.float32)
+        for i, block in enumerate(self.blocks):
+            replay = None if routing_RCLK is None or cfg.dense else routing_RCLK[:, :, i]
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, chosen_RCK, layer_aux = block(x, cos, sin, mask_R1CT, valid_RC, replay, kv,
+                                             cache_cols_RC)
+            if chosen_RCK is not None:
+                experts.append(chosen_RCK)
+                aux = aux + layer_aux
+        logits = self.final_norm(x) @ self.lm_head                             # (R, C, V)
+        R, C = tokens_RC.shape
+        experts_RCLK = (torch.stack(experts, dim=2) if experts else
+                        torch.zeros(R, C, 0, cfg.top_k, dtype=torch.long, device=tokens_RC.device))
+        return ModelOutput(logits, experts_RCLK, aux)
+
+    def forward(self, batch: TokenBatch, *, routing: RoutingTrace | torch.Tensor | None = None
+                ) -> ModelOutput:
+        """Logits at every column of ``batch`` (each predicting the next token of its sequence)."""
+        if not isinstance(batch, TokenBatch):
+            raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
+        routing_RCLK = None
+        if routing is not None:
+            routing_RCLK = routing.experts if isinstance(routing, RoutingTrace) else routing
+            expected = (*batch.tokens.shape, self.config.routed_layers, self.config.top_k)
+            if not isinstance(routing_RCLK, torch.Tensor) or tuple(routing_RCLK.shape) != expected:
+                raise ValueError(f"routing: expected experts of shape {expected}, got "
+                                 f"{getattr(routing_RCLK, 'shape', type(routing_RCLK).__name__)}")
+            if routing_RCLK.numel() and int(routing_RCLK.max()) >= self.config.n_experts:
+                raise ValueError(f"routing: expert ids must be < n_experts={self.config.n_experts}")
+        valid_RC = batch.sequence_id >= 0
+        backend = self.config.attention
+        if backend == "flex" or (backend == "auto" and batch.tokens.is_cuda):
+            from tokenmdp.model.flex import document_block_mask
+            mask = document_block_mask(batch.sequence_id)
+        else:
+            mask = sequence_attention_mask(batch.sequence_id)
+        if routing_RCLK is not None:  # packing fills padding with 0: padding is never replayed
+            routing_RCLK = torch.where(valid_RC[:, :, None, None], routing_RCLK.long(), -1)
+        out = self.forward_tokens(batch.tokens, batch.position, mask, valid_RC,
+                                  routing_RCLK=routing_RCLK)
+        experts = torch.where(valid_RC[:, :, None, None], out.experts_RCLK, -1)
+        return dataclasses.replace(out, experts_RCLK=experts)
+
+    # ------------------------------------------------------------------ policy protocol
+    def _predicting_logprobs(self, batch: TokenBatch, routing) -> tuple[torch.Tensor, ModelOutput]:
+        """``log pi(. | prefix)`` ``[R, C, V]`` for the token *at* each column (shifted by one),
+        0 at sequence starts and padding."""
+        out = self.forward(batch, routing=routing)
+        lp_RCV = torch.log_softmax(out.logits_RCV, dim=-1)
+        shifted = torch.zeros_like(lp_RCV)
+        shifted[:, 1:] = lp_RCV[:, :-1]
+        has_prefix_RC = (batch.sequence_id >= 0) & (batch.position > 0)
+        if bool((batch.loss_mask & ~has_prefix_RC).any()):
+            raise ValueError("batch: a loss token is the first token of its sequence; the model "
+                             "needs a prompt of at least one token")
+        return torch.where(has_prefix_RC[..., None], shifted, 0.0), out
+
+    def token_logprobs(self, batch: TokenBatch, routing: RoutingTrace | torch.Tensor | None = None,
+                       record_routing: bool = False):
+        """``[R, C]`` ``log pi(y_t | x, y_<t)`` of each response token (0 elsewhere), and with
+        ``record_routing`` the :class:`RoutingTrace` used (``-1`` on padding).
+
+        Parameters
+        ----------
+        batch : TokenBatch
+        routing : RoutingTrace or LongTensor ``[R, C, L, K]``, optional
+            Experts to replay (tokens whose record holds ``-1`` are routed by the model).
+        record_routing : bool
+            Also return the routing used.
+        """
+        lp_RCV, out = self._predicting_logprobs(batch, routing)
+        lp_RC = lp_RCV.gather(-1, batch.tokens[..., None]).squeeze(-1) * batch.response_mask
+        return (lp_RC, RoutingTrace(out.experts_RCLK)) if record_routing else lp_RC
+
+    def next_token_logprobs(self, batch: TokenBatch,
+                            routing: RoutingTrace | torch.Tensor | None = None) -> torch.Tensor:
+        """``[R, C, V]``: the distribution each response token was drawn from, 0 elsewhere."""
+        lp_RCV, _ = self._predicting_logprobs(batch, routing)
+        return lp_RCV * batch.response_mask[..., None]

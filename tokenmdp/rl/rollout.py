@@ -1,0 +1,304 @@
+"""The rollout engine (the behaviour policy mu) and routing replay for training.
+
+:class:`RolloutEngine` holds its own copy of the trainer's weights in its own precision (fp32,
+bf16, fp16, or fp32 compute on fp8-rounded weights) and samples with a KV cache, so the
+distribution it samples from, ``mu``, differs from the trainer's ``pi_old`` exactly as in
+production. It records ``log mu`` of every sampled token and its routing trace.
+
+Routing replay (ESTIMATORS.md, "Routing replay"):
+
+* ``NONE`` — every pass routes by itself;
+* ``R2`` — the ``old_logprob`` pass records the training engine's routing (``OLD_ROUTING``)
+  and every mini-batch update of the step replays it (no change on the first mini-batch);
+* ``R3`` — the ``old_logprob`` pass and the updates replay the rollout engine's routing
+  (``ENGINE_ROUTING``), which makes ``pi_old = mu`` when the engines differ only in routing.
+
+The engine never routes the last sampled token (nothing is generated after it): its trace holds
+``-1`` there, and a replaying forward pass routes that token by itself. The output at that token
+predicts nothing inside the sequence, so no loss term depends on that choice.
+
+Shape suffixes: ``B`` sequences being generated (one per row), ``T`` columns, ``V`` vocabulary,
+``L`` routed layers, ``K`` experts per token.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from tokenmdp.batch import TokenBatch
+from tokenmdp.model import KVCache, MoETransformer
+
+__all__ = ["ENGINE_ROUTING", "OLD_ROUTING", "PRECISIONS", "RolloutEngine", "RoutingReplay",
+           "compute_old_logprobs", "replay_routing", "routing_mismatch_rate", "simulate_fp8",
+           "training_inference_kl"]
+
+ENGINE_ROUTING = "engine_routing"
+"""``token_extras`` key of the rollout engine's routing ``[R, C, L, K]`` (``-1``: not routed)."""
+OLD_ROUTING = "old_routing"
+"""``token_extras`` key of the training engine's routing recorded in the ``old_logprob`` pass."""
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+              "fp8": torch.float32}
+"""Engine precision -> compute dtype (``fp8``: fp32 compute on weights rounded to fp8 e4m3)."""
+
+FP8_E4M3_MAX = 448.0
+
+
+def simulate_fp8(w: torch.Tensor) -> torch.Tensor:
+    """Round ``w`` to float8 e4m3 with one per-tensor scale (``absmax -> 448``), back in its dtype."""
+    scale = w.abs().max().clamp(min=torch.finfo(torch.float32).tiny) / FP8_E4M3_MAX
+    return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
+
+
+class RoutingReplay(str, enum.Enum):
+    """Which routing the training passes replay (see the module docstring)."""
+
+    NONE = "none"
+    R2 = "r2"
+    R3 = "r3"
+
+
+class RolloutEngine:
+    """Batched sampling from a copy of the trainer's model in the engine's own numerics.
+
+    Parameters
+    ----------
+    model : MoETransformer
+        The trainer's model; its weights are copied (:meth:`sync`), never shared.
+    precision : {"fp32", "bf16", "fp16", "fp8"}
+        Numerics of the engine's weights and compute (:data:`PRECISIONS`).
+    selection_noise : float
+        Standard deviation of a per-layer, per-expert bias added to the router scores for the
+        top-K *selection* only (gates unchanged): an engine that differs only in which experts it
+        picks. 0 disables it.
+    generator : torch.Generator, optional
+        Source of the selection bias (required when ``selection_noise > 0``).
+    device : optional
+        Device of the engine (default: the model's).
+    """
+
+    def __init__(self, model: MoETransformer, *, precision: str = "fp32",
+                 selection_noise: float = 0.0, generator: torch.Generator | None = None,
+                 device=None) -> None:
+        if not isinstance(model, MoETransformer):
+            raise TypeError(f"model: expected a MoETransformer, got {type(model).__name__}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {sorted(PRECISIONS)}, got {precision!r}")
+        if isinstance(selection_noise, bool) or not isinstance(selection_noise, (int, float)) \
+                or not selection_noise >= 0:
+            raise ValueError(f"selection_noise: expected a number >= 0, got {selection_noise!r}")
+        if selection_noise > 0 and not isinstance(generator, torch.Generator):
+            raise TypeError("generator: a torch.Generator is required when selection_noise > 0")
+        self.precision = precision
+        self.dtype = PRECISIONS[precision]
+        self.device = model.embed.device if device is None else torch.device(device)
+        self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        if selection_noise > 0:
+            for block in self.model.blocks:
+                if hasattr(block.mlp, "selection_bias"):
+                    bias = torch.randn(block.mlp.selection_bias.shape, generator=generator,
+                                       dtype=torch.float64) * selection_noise
+                    block.mlp.selection_bias.copy_(bias.to(self.dtype))
+        self.sync(model)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @torch.no_grad()
+    def sync(self, model: MoETransformer) -> None:
+        """Copy the trainer's weights into the engine, cast to (and rounded in) its precision."""
+        source = dict(model.named_parameters())
+        for name, p in self.model.named_parameters():
+            w = source[name].detach().to(device=self.device, dtype=self.dtype)
+            p.copy_(simulate_fp8(w) if self.precision == "fp8" and w.dim() >= 2 else w)
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int,
+                 generator: torch.Generator, temperature: float = 1.0, use_cache: bool = True,
+                 groups: Sequence[int] | torch.Tensor | None = None,
+                 prompt_index: Sequence[int] | torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32) -> TokenBatch:
+        """Sample one response per prompt; stop at ``eos_id`` (kept) or ``max_new_tokens``.
+
+        Parameters
+        ----------
+        prompts : sequences of token ids, each non-empty
+        max_new_tokens : int
+        eos_id : int
+        generator : torch.Generator
+            The only source of randomness (on the engine's device).
+        temperature : float
+            Logits are divided by it; ``behavior_logprob`` is the log-prob under that tempered
+            distribution (the one actually sampled from).
+        use_cache : bool
+            Decode with a KV cache (default) or recompute the whole prefix at every step.
+        groups, prompt_index : optional, ``[S]``
+            Stored in the batch (defaults: each sequence its own group; ``groups``).
+        dtype : torch.dtype
+            Dtype of the batch's float fields.
+
+        Returns
+        -------
+        TokenBatch
+            Padded, one sequence per row, with ``behavior_logprob`` and
+            ``token_extras[ENGINE_ROUTING]`` ``[R, C, L, K]`` (``-1`` on padding and on the last
+            token of every sequence, which is never routed).
+        """
+        self._check_generate(prompts, max_new_tokens, eos_id, generator, temperature)
+        cfg, dev = self.model.config, self.device
+        B = len(prompts)
+        plen_B = torch.tensor([len(p) for p in prompts], device=dev)
+        P, T = int(plen_B.max()), int(plen_B.max()) + max_new_tokens
+        cols_T = torch.arange(T, device=dev)
+        rows_B = torch.arange(B, device=dev)
+        tokens_BT = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            tokens_BT[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        routing_BTLK = torch.full((B, T, cfg.routed_layers, cfg.top_k), -1, dtype=torch.long,
+                                  device=dev)
+        logp_BT = torch.zeros(B, T, dtype=torch.float32, device=dev)
+        length_B = plen_B.clone()
+        done_B = torch.zeros(B, dtype=torch.bool, device=dev)
+        cache = KVCache(cfg, B, T, device=dev, dtype=self.dtype) if use_cache else None
+
+        # Prefill: every prompt token is fed (and routed) once.
+        valid_BP = cols_T[:P] < plen_B[:, None]
+        causal_PT = cols_T[None, :T if use_cache else P] <= cols_T[:P, None]
+        out = self.model.forward_tokens(tokens_BT[:, :P], cols_T[:P].expand(B, P),
+                                        causal_PT.expand(B, 1, P, -1), valid_BP, cache=cache,
+                                        cache_cols_RC=cols_T[:P].expand(B, P))
+        routing_BTLK[:, :P] = torch.where(valid_BP[..., None, None], out.experts_RCLK, -1)
+        next_logits_BV = out.logits_RCV[rows_B, plen_B - 1]
+
+        for step in range(max_new_tokens):
+            lp_BV = torch.log_softmax(next_logits_BV.float() / temperature, dim=-1)
+            y_B = torch.multinomial(lp_BV.exp(), 1, generator=generator).squeeze(1)
+            active_B = ~done_B
+            at_B = length_B.clamp(max=T - 1)
+            tokens_BT[rows_B[active_B], at_B[active_B]] = y_B[active_B]
+            logp_BT[rows_B[active_B], at_B[active_B]] = lp_BV.gather(1, y_B[:, None])[active_B, 0]
+            length_B = length_B + active_B.long()
+            done_B = done_B | (active_B & (y_B == eos_id))
+            if bool(done_B.all()) or step == max_new_tokens - 1:
+                break  # the last sampled tokens are never fed, hence never routed
+            # Feed the newest token of every row (finished rows too; their results are unused).
+            col_B = length_B - 1
+            if use_cache:
+                mask_B11T = (cols_T[None, :] <= col_B[:, None])[:, None, None]
+                out = self.model.forward_tokens(tokens_BT[rows_B, col_B][:, None], col_B[:, None],
+                                                mask_B11T, ~done_B[:, None], cache=cache,
+                                                cache_cols_RC=col_B[:, None])
+                experts_BLK, next_logits_BV = out.experts_RCLK[:, 0], out.logits_RCV[:, 0]
+            else:
+                n = int(length_B.max())
+                causal_1nn = (cols_T[None, :n] <= cols_T[:n, None])[None, None]
+                out = self.model.forward_tokens(tokens_BT[:, :n], cols_T[:n].expand(B, n),
+                                                causal_1nn.expand(B, 1, n, n),
+                                                cols_T[:n] < length_B[:, None])
+                experts_BLK, next_logits_BV = (out.experts_RCLK[rows_B, col_B],
+                                               out.logits_RCV[rows_B, col_B])
+            fed_B = ~done_B
+            routing_BTLK[rows_B[fed_B], col_B[fed_B]] = experts_BLK[fed_B]
+        return self._to_batch(tokens_BT, plen_B, length_B, logp_BT, routing_BTLK, groups,
+                              prompt_index, dtype)
+
+    def _to_batch(self, tokens_BT, plen_B, length_B, logp_BT, routing_BTLK, groups, prompt_index,
+                  dtype) -> TokenBatch:
+        B, C = tokens_BT.shape[0], int(length_B.max())
+        cols_C = torch.arange(C, device=self.device)
+        real_BC = cols_C < length_B[:, None]
+        response_BC = real_BC & (cols_C >= plen_B[:, None])
+        seq_id = torch.where(real_BC, torch.arange(B, device=self.device)[:, None], -1)
+        group = (torch.arange(B, device=self.device) if groups is None
+                 else torch.as_tensor(groups, dtype=torch.long, device=self.device).clone())
+        pidx = group.clone() if prompt_index is None else torch.as_tensor(
+            prompt_index, dtype=torch.long, device=self.device).clone()
+        ones = response_BC.to(dtype)
+        routing = torch.where(real_BC[..., None, None], routing_BTLK[:, :C], -1)
+        return TokenBatch(
+            tokens=torch.where(real_BC, tokens_BT[:, :C], 0), sequence_id=seq_id,
+            position=torch.where(real_BC, cols_C, 0), loss_mask=response_BC, advantage=ones,
+            loss_weight=ones.clone(), reward=torch.zeros(B, dtype=dtype, device=self.device),
+            group=group, length=length_B - plen_B, prompt_index=pidx,
+            behavior_logprob=torch.where(response_BC, logp_BT[:, :C], 0.0).to(dtype),
+            token_extras={ENGINE_ROUTING: routing})
+
+    def _check_generate(self, prompts, max_new_tokens, eos_id, generator, temperature) -> None:
+        V = self.model.config.vocab_size
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts: expected a non-empty list of non-empty token sequences")
+        if any(min(p) < 0 or max(p) >= V for p in prompts):
+            raise ValueError(f"prompts: token ids must lie in [0, {V})")
+        for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("eos_id", eos_id, 0)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            if value < low:
+                raise ValueError(f"{name}: must be >= {low}, got {value}")
+        if eos_id >= V:
+            raise ValueError(f"eos_id: must be < vocab_size={V}, got {eos_id}")
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not temperature > 0:
+            raise ValueError(f"temperature: expected a number > 0, got {temperature!r}")
+
+
+# ---------------------------------------------------------------------- routing replay
+def replay_routing(batch: TokenBatch, replay: RoutingReplay | str) -> torch.Tensor | None:
+    """The routing an update pass replays: ``None`` (NONE), the ``old_logprob`` pass's record
+    (R2, needs :func:`compute_old_logprobs` first) or the rollout engine's trace (R3)."""
+    replay = RoutingReplay(replay)
+    if replay is RoutingReplay.NONE:
+        return None
+    key = OLD_ROUTING if replay is RoutingReplay.R2 else ENGINE_ROUTING
+    if key not in batch.token_extras:
+        raise ValueError(f"batch: token_extras has no {key!r} record, needed by {replay.name}")
+    return batch.token_extras[key]
+
+
+def compute_old_logprobs(model: MoETransformer, batch: TokenBatch,
+                         replay: RoutingReplay | str) -> TokenBatch:
+    """The ``old_logprob`` pass: ``log pi_old`` of every token (replaying the engine's routing
+    under R3) and the routing used, stored as ``token_extras[OLD_ROUTING]`` (R2 replays it)."""
+    replay = RoutingReplay(replay)
+    routing = replay_routing(batch, replay) if replay is RoutingReplay.R3 else None
+    with torch.no_grad():
+        lp_RC, trace = model.token_logprobs(batch, routing=routing, record_routing=True)
+    extras = {**batch.token_extras, OLD_ROUTING: trace.experts}
+    return dataclasses.replace(batch, old_logprob=lp_RC.to(batch.dtype), token_extras=extras)
+
+
+def training_inference_kl(batch: TokenBatch, *, kind: str = "k3") -> float:
+    """Per-loss-token estimate of ``KL(mu || pi_old)`` from tokens sampled by ``mu``.
+
+    With ``log r = log pi_old - log mu``: ``k1 = -log r`` (unbiased, can be negative on a finite
+    sample) or ``k3 = (r - 1) - log r`` (unbiased and non-negative term by term; Schulman 2020).
+    """
+    if batch.behavior_logprob is None or batch.old_logprob is None:
+        raise ValueError("batch: needs behavior_logprob and old_logprob")
+    if kind not in ("k1", "k3"):
+        raise ValueError(f"kind: expected 'k1' or 'k3', got {kind!r}")
+    log_r = (batch.old_logprob - batch.behavior_logprob).double()[batch.loss_mask]
+    terms = -log_r if kind == "k1" else torch.expm1(log_r) - log_r
+    return float(terms.mean()) if terms.numel() else 0.0
+
+
+def routing_mismatch_rate(experts_a: torch.Tensor, experts_b: torch.Tensor) -> float:
+    """Fraction of (token, layer) pairs, among those recorded in both (``>= 0``), whose *sets* of
+    experts differ. Both ``[R, C, L, K]`` on the same layout."""
+    if experts_a.shape != experts_b.shape:
+        raise ValueError(f"experts_b: shape {tuple(experts_b.shape)} differs from experts_a's "
+                         f"{tuple(experts_a.shape)}")
+    both_RCL = (experts_a >= 0).all(-1) & (experts_b >= 0).all(-1)
+    differ_RCL = (experts_a.sort(-1).values != experts_b.sort(-1).values).any(-1)
+    n = int(both_RCL.sum())
+    return float((differ_RCL & both_RCL).sum()) / n if n else 0.0
