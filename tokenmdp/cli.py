@@ -5,7 +5,9 @@ Subcommands:
 * ``tokenmdp compare`` — the main job: exact bias, variance and MSE of estimators on a small MDP,
   as a table, a PNG plot and CSV/JSON files;
 * ``tokenmdp estimators`` — the estimator registry as a table;
-* ``tokenmdp exact`` — build a small token MDP and a policy, print the exact ``J`` and ``∇J``.
+* ``tokenmdp exact`` — build a small token MDP and a policy, print the exact ``J`` and ``∇J``;
+* ``tokenmdp sft`` / ``tokenmdp train`` — the trainer (:mod:`tokenmdp.rl.trainer`), options generated
+  from :class:`tokenmdp.rl.config.TrainConfig`.
 """
 
 from __future__ import annotations
@@ -197,6 +199,9 @@ def make_parser() -> argparse.ArgumentParser:
     add_mdp_arguments(p)
     p.add_argument("--show", type=int, default=8, help="number of gradient entries to print")
     p.set_defaults(func=cmd_exact)
+    from tokenmdp.rl.cli_commands import add_trainer_commands
+
+    add_trainer_commands(sub)
     return parser
 
 

@@ -1,0 +1,71 @@
+"""The ``tokenmdp sft`` and ``tokenmdp train`` subcommands, generated from :class:`TrainConfig`.
+
+Every field of :class:`~tokenmdp.rl.config.TrainConfig` except ``mode`` becomes an option
+(``rollout_precision`` → ``--rollout-precision``), its docstring the help text, its default the
+default; booleans get ``--flag / --no-flag``. ``tokenmdp cli`` calls
+:func:`add_trainer_commands` with its sub-parser collection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from tokenmdp.rl.config import TrainConfig, field_docs
+
+__all__ = ["add_config_arguments", "add_trainer_commands", "config_from_args"]
+
+_TYPES = {"int": int, "float": float, "str": str, "float | None": float, "str | None": str}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *, defaults: dict | None = None,
+                         skip: tuple[str, ...] = ("mode",)) -> None:
+    """One option per :class:`TrainConfig` field not in ``skip`` (``defaults`` override)."""
+    docs = field_docs(TrainConfig)
+    defaults = defaults or {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
+        default = defaults.get(f.name, f.default)
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{docs.get(f.name, '')} (default: {default})"
+        if f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+        elif f.type in _TYPES:
+            parser.add_argument(flag, type=_TYPES[f.type], default=default, help=help_text,
+                                metavar=f.name.upper())
+        else:  # a new field type must be mapped here, not silently dropped
+            raise TypeError(f"TrainConfig.{f.name}: no command-line type for {f.type!r}")
+
+
+def config_from_args(args: argparse.Namespace, mode: str) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed options, with ``mode``."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+              if hasattr(args, f.name)}
+    return TrainConfig(**{**values, "mode": mode})
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tokenmdp.rl.trainer import train
+
+    cfg = config_from_args(args, args.trainer_mode)
+    rows = train(cfg)
+    if rows:
+        last = rows[-1]
+        shown = {k: last[k] for k in ("step", "reward", "loss", "eval_accuracy") if k in last}
+        print(f"{cfg.mode}: {len(rows)} steps, last {shown}; wrote {cfg.out_dir}")
+    return 0
+
+
+def add_trainer_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``sft`` (supervised warm start) and ``train`` (RL) to ``tokenmdp``'s sub-parsers."""
+    p = sub.add_parser("sft", help="supervised fine-tuning on a task's demonstrations",
+                       description="SFT: the trainer loop with correct answers and A = 1; "
+                                   "its checkpoint starts `tokenmdp train --init`.")
+    add_config_arguments(p, defaults={"out_dir": "runs/sft"})
+    p.set_defaults(func=_run, trainer_mode="sft")
+    p = sub.add_parser("train", help="RL on a verifiable task with any estimator",
+                       description="RL: rollout, reward, packed estimator updates, metrics.")
+    add_config_arguments(p)
+    p.set_defaults(func=_run, trainer_mode="rl")

@@ -1,0 +1,181 @@
+"""The trainer's configuration: one dataclass, a docstring per field, checked at start.
+
+:class:`TrainConfig` configures both loops of :mod:`tokenmdp.rl.trainer` (``mode`` "rl" or
+"sft"); :func:`check_config` rejects a bad configuration before any work with a ``ValueError``
+naming the field; :func:`field_docs` reads the field docstrings (the command line's help text,
+:mod:`tokenmdp.rl.cli_commands`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+
+import torch
+
+__all__ = ["TrainConfig", "check_config", "field_docs"]
+
+MODES = ("rl", "sft")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs; see :func:`tokenmdp.rl.trainer.train`."""
+
+    mode: str = "rl"
+    """Loop: rl (rollout, reward, estimator updates) or sft (demonstrations, advantage 1)."""
+    task: str = "addition"
+    """Task name: addition, sorting or count (:mod:`tokenmdp.rl.tasks`)."""
+    estimator: str = "dapo"
+    """Estimator registry name (``tokenmdp estimators`` lists them); ignored by sft."""
+    replay: str = "none"
+    """MoE routing replay of the training passes: none, r2 (old-logprob pass's routing) or r3
+    (the rollout engine's routing)."""
+    rollout_precision: str = "fp32"
+    """Numerics of the rollout engine: fp32, bf16, fp16 or fp8 (simulated)."""
+    minibatches: int = 1
+    """Mini-batch updates per step (N >= 1); each is its own optimizer step, so N > 1 makes
+    updates 2..N off-policy."""
+    group_size: int = 4
+    """Responses sampled per prompt (G)."""
+    prompts_per_step: int = 8
+    """Prompts per step (rl: each answered G times; sft: demonstrations per step)."""
+    max_new_tokens: int = 6
+    """Longest response the engine samples (L_max of the aggregation)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollout engine."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.99
+    """AdamW beta2."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this value before each update (0 disables clipping)."""
+    warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up (step s uses lr * min(1, (s + 1) / warmup))."""
+    kl_coef: float | None = None
+    """KL-in-loss coefficient (k3) to the reference (the initial model); None keeps the
+    estimator's own KL, 0 removes it."""
+    steps: int = 20
+    """Number of steps to run (the total, including resumed ones)."""
+    eval_every: int = 10
+    """Held-out accuracy every this many steps and at the last step (0: only at the last)."""
+    eval_size: int = 32
+    """Number of held-out evaluation prompts."""
+    eval_temperature: float = 0.01
+    """Sampling temperature of the evaluation (near greedy)."""
+    seed: int = 0
+    """Seed of the model initialization, the training prompts and every sample."""
+    eval_seed: int = 1234
+    """Seed of the held-out split (training prompts never come from it)."""
+    device: str = "cpu"
+    """Device of the model, the engine and every batch."""
+    dtype: str = "float32"
+    """Floating-point dtype of the trained model and of the batches: float32 or float64."""
+    d_model: int = 32
+    """Model width."""
+    n_layers: int = 2
+    """Transformer blocks."""
+    n_heads: int = 2
+    """Attention heads."""
+    n_experts: int = 4
+    """Experts per MoE layer."""
+    top_k: int = 2
+    """Experts per token."""
+    expert_hidden: int = 32
+    """Hidden width of each expert (of the dense MLP with ``dense``)."""
+    dense: bool = False
+    """Dense MLPs instead of experts (no routing; r2 and r3 are rejected)."""
+    init_std: float = 0.02
+    """Standard deviation of the initial weights."""
+    init: str | None = None
+    """Checkpoint whose model weights start the run (e.g. one written by ``tokenmdp sft``)."""
+    out_dir: str = "runs/train"
+    """Folder of ``metrics.jsonl`` and ``checkpoint.pt``."""
+    resume: bool = False
+    """Continue from ``out_dir/checkpoint.pt`` (model, optimizer, RNG states, step)."""
+    checkpoint_every: int = 1
+    """Write the checkpoint every this many steps and at the last (0: only at the last)."""
+    max_nonfinite: int = 3
+    """Stop after this many updates in a row with a non-finite loss or gradient (each skipped)."""
+    deterministic: bool = True
+    """Run under ``torch.use_deterministic_algorithms`` (resumed runs then repeat exactly)."""
+
+
+def field_docs(cls: type = TrainConfig) -> dict[str, str]:
+    """Field name → its docstring (the string literal right under the field), whitespace folded."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _device_supports(device: torch.device, precision: str) -> str | None:
+    """Why ``device`` cannot run the engine at ``precision`` (None when it can)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        if precision == "bf16" and not torch.cuda.is_bf16_supported():
+            return "this GPU has no bfloat16"
+    if precision == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        return "this PyTorch build has no float8_e4m3fn"
+    return None
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Raise ``ValueError`` naming the field on a configuration that cannot run."""
+    from tokenmdp import estimators
+    from tokenmdp.rl.rollout import PRECISIONS, RoutingReplay
+    from tokenmdp.rl.tasks import TASKS
+
+    if cfg.mode not in MODES:
+        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {cfg.mode!r}")
+    if cfg.task not in TASKS:
+        raise ValueError(f"task: expected one of {', '.join(TASKS)}, got {cfg.task!r}")
+    if cfg.mode == "rl" and cfg.estimator not in estimators.names():
+        raise ValueError(f"estimator: unknown {cfg.estimator!r}; known: "
+                         f"{', '.join(estimators.names())}")
+    if cfg.replay not in [r.value for r in RoutingReplay]:
+        raise ValueError(f"replay: expected none, r2 or r3, got {cfg.replay!r}")
+    if cfg.replay != "none" and cfg.dense:
+        raise ValueError(f"replay: {cfg.replay} replays MoE routing, but the model is dense "
+                         "(--dense); use --replay none")
+    if cfg.rollout_precision not in PRECISIONS:
+        raise ValueError(f"rollout_precision: expected one of {', '.join(PRECISIONS)}, got "
+                         f"{cfg.rollout_precision!r}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError as err:
+        raise ValueError(f"device: {err}") from None
+    why = _device_supports(device, cfg.rollout_precision)
+    if why is not None:
+        raise ValueError(f"rollout_precision / device: {cfg.rollout_precision} on "
+                         f"{cfg.device}: {why}")
+    for name in ("minibatches", "group_size", "prompts_per_step", "max_new_tokens", "steps",
+                 "eval_size", "max_nonfinite"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}: must be >= 1, got {getattr(cfg, name)}")
+    for name in ("eval_every", "warmup_steps", "checkpoint_every"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
+    per_step = cfg.prompts_per_step * (cfg.group_size if cfg.mode == "rl" else 1)
+    if cfg.minibatches > per_step:
+        raise ValueError(f"minibatches: {cfg.minibatches} exceeds the {per_step} sequences of "
+                         "a step")
+    for name in ("lr", "temperature", "eval_temperature"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)}")
+    if cfg.grad_clip < 0 or (cfg.kl_coef is not None and cfg.kl_coef < 0):
+        raise ValueError("grad_clip, kl_coef: must be >= 0")
