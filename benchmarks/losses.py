@@ -8,9 +8,9 @@ in float32. For each registry entry, ``prepare`` runs once (untimed); the timed 
 * ``with head``: ``logprobs`` comes from ``log_softmax`` over a ``V``-token vocabulary and a
   gather, as in training, where the loss is always downstream of the vocabulary projection.
 
-Each figure is the fastest of ``--repeats`` runs divided by the fastest of as many runs of the
-plain weighted NLL ``-Σ loss_weight · advantage · log π`` in the same setting, the two
-alternating in the same run. Targets (issue 3):
+Each figure is the median, over ``--repeats`` adjacent pairs of runs, of the estimator's time
+divided by that of the plain weighted NLL ``-Σ loss_weight · advantage · log π`` in the same
+setting (the two alternate, so each pair sees the same machine load). Targets (issue 3):
 per-token surrogates <= 1.2x, sequence-level ones <= 1.5x.
 
     python benchmarks/losses.py [--tokens 1000000] [--vocab 32] [--repeats 7] [--threads N]
@@ -19,6 +19,7 @@ per-token surrogates <= 1.2x, sequence-level ones <= 1.5x.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -91,14 +92,18 @@ def _once(fn) -> float:
 
 
 def relative_time(fn, baseline, repeats: int) -> tuple[float, float]:
-    """``(time of fn, its ratio to baseline)``: runs alternate (so drifts in machine load hit
-    both alike) and each takes its minimum over ``repeats`` (the least disturbed run)."""
+    """``(time of fn, its ratio to baseline)``: the time is fn's minimum over ``repeats`` runs
+    (the least disturbed); runs alternate with the baseline's, and the ratio is the median over
+    the ``repeats`` adjacent pairs of fn's time to the baseline's. A pair sees the same machine
+    load, so on a shared machine (load that drifts or comes in bursts) the median ratio is far
+    steadier than a ratio of minima, which pairs runs taken under different loads."""
     fn(), baseline()  # warm-up
-    times, base = [], []
+    times, ratios = [], []
     for _ in range(repeats):
-        base.append(_once(baseline))
+        base = _once(baseline)
         times.append(_once(fn))
-    return min(times), min(times) / min(base)
+        ratios.append(times[-1] / base)
+    return min(times), statistics.median(ratios)
 
 
 def main(argv: list[str] | None = None) -> None:
