@@ -209,10 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tokenmdp`` console script."""
     parser = make_parser()
     args = parser.parse_args(argv)
+    from tokenmdp.rl.trainer import NonFiniteError
+
     try:
         return int(args.func(args) or 0)
-    except ValueError as err:
+    except ValueError as err:  # bad input: a usage error
         parser.exit(2, f"tokenmdp {args.command}: error: {err}\n")
+    except NonFiniteError as err:  # a run that diverged: its output folder says how far it got
+        parser.exit(1, f"tokenmdp {args.command}: stopped: {err}\n")
 
 
 if __name__ == "__main__":

@@ -200,3 +200,19 @@ def test_every_registry_estimator_runs_a_finite_step(tmp_path, name):
                       minibatches=2, **{**TINY, "eval_size": 2})
     (row,) = train(cfg)
     assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+
+
+def test_cli_reports_a_diverged_run_without_a_traceback(tmp_path, monkeypatch, capsys):
+    from tokenmdp.cli import main
+
+    def nan_loss(model, batch, est, replay):
+        return model.embed.sum() * float("nan"), {"tokens": torch.tensor(1.0)}
+
+    monkeypatch.setattr(trainer, "minibatch_loss", nan_loss)
+    argv = ["sft", "--steps", "3", "--max-nonfinite", "1", "--out-dir", str(tmp_path)]
+    for name, value in TINY.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 1
+    assert "stopped" in capsys.readouterr().err
