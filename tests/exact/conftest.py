@@ -17,6 +17,20 @@ def mdp() -> TokenMDP:
     return TokenMDP(3, 3, reward, prompts=[(0,), (1, 0)], prompt_probs=[0.3, 0.7])
 
 
+class OnlyTokenLogprobs(torch.nn.Module):
+    """A policy seen only through the protocol (no prefix fast path), like the transformer."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def next_token_logprobs(self, batch):
+        return self.inner.next_token_logprobs(batch)
+
+    def token_logprobs(self, batch):
+        return self.inner.token_logprobs(batch)
+
+
 def make_policy(cls, mdp, seed=0):
     return cls(mdp, generator=torch.Generator().manual_seed(seed))
 

@@ -25,7 +25,7 @@ from tokenmdp.exact import (
 )
 from tokenmdp.exact.rewards import TokenCount
 
-from .conftest import make_policy
+from .conftest import OnlyTokenLogprobs, make_policy
 
 #: float64 round-off on sums over a few hundred terms.
 EXACT_TOL = 1e-12
@@ -210,22 +210,8 @@ def test_surrogate_matches_its_sample_form_and_first_order_contact(mdp, policy):
                                rtol=0, atol=EXACT_TOL)
 
 
-class _OnlyTokenLogprobs(torch.nn.Module):
-    """A policy seen only through the protocol (no prefix fast path), like the transformer."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def next_token_logprobs(self, batch):
-        return self.inner.next_token_logprobs(batch)
-
-    def token_logprobs(self, batch):
-        return self.inner.token_logprobs(batch)
-
-
 def test_generic_protocol_path_equals_prefix_fast_path(mdp, policy):
-    generic = _OnlyTokenLogprobs(policy)
+    generic = OnlyTokenLogprobs(policy)
     torch.testing.assert_close(gradient(mdp, generic), gradient(mdp, policy),
                                rtol=0, atol=EXACT_TOL)
     torch.testing.assert_close(values(mdp, generic).Q, values(mdp, policy).Q,

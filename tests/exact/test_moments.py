@@ -21,7 +21,7 @@ from tokenmdp.exact.length_bias import length_normalized_objective
 from tokenmdp.exact.moments import moments
 from tokenmdp.exact.rewards import ExactMatch, RandomTable, TokenCount
 
-from .conftest import make_policy
+from .conftest import OnlyTokenLogprobs, make_policy
 
 #: exact identities hold to float64 round-off accumulated over ~10^4 draws
 EXACT_TOL = 1e-10
@@ -178,26 +178,12 @@ def test_moments_reject_bad_arguments(small):
                 behavior=make_policy(TabularPolicy, other))
 
 
-class _Opaque(torch.nn.Module):
-    """The policy seen only through the protocol, so the generic Jacobian path is used."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def next_token_logprobs(self, batch):
-        return self.inner.next_token_logprobs(batch)
-
-    def token_logprobs(self, batch):
-        return self.inner.token_logprobs(batch)
-
-
 def test_tabular_jacobian_closed_form_equals_autograd(small):
     from tokenmdp.exact.step_gradients import state_action_jacobian
     mdp, pi = small
-    close(state_action_jacobian(mdp, pi), state_action_jacobian(mdp, _Opaque(pi)), 1e-15)
+    close(state_action_jacobian(mdp, pi), state_action_jacobian(mdp, OnlyTokenLogprobs(pi)), 1e-15)
     # and a generic policy gives the same moments as its fast path
     a = moments(mdp, pi, E.get("dapo"), group_size=2)
-    b = moments(mdp, _Opaque(pi), E.get("dapo"), group_size=2)
+    b = moments(mdp, OnlyTokenLogprobs(pi), E.get("dapo"), group_size=2)
     close(a.mean, b.mean)
     assert abs(a.total_variance - b.total_variance) < EXACT_TOL
