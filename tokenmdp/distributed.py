@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from tokenmdp.batch import TokenBatch
 
-__all__ = ["StepCounts", "all_reduce_counts", "data_parallel_loss_scale", "global_counts"]
+__all__ = ["StepCounts", "all_gather_objects", "all_reduce_counts", "all_reduce_floats",
+           "data_parallel_loss_scale", "global_counts", "rank_and_world_size"]
 
 
 class StepCounts(NamedTuple):
@@ -143,3 +144,50 @@ def data_parallel_loss_scale(*, group: dist.ProcessGroup | None = None) -> int:
     if _is_distributed():
         return dist.get_world_size(group)
     return 1
+
+
+def rank_and_world_size(*, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """``(rank, world size)`` of ``group``; ``(0, 1)`` without an initialized process group."""
+    if _is_distributed():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce_floats(values: list[float], *, op: str = "sum", device: torch.device | str = "cpu",
+                      group: dist.ProcessGroup | None = None) -> list[float]:
+    """Reduce a list of numbers over the ranks in one collective (float64); the list itself
+    without a process group.
+
+    A metric that is a ratio is reduced as its numerator and denominator (``op="sum"``) and
+    divided afterwards, so the result is the ratio over the whole step, not a mean of rank
+    ratios. Every rank of ``group`` must call it with a list of the same length.
+
+    Parameters
+    ----------
+    values : list of float
+    op : {"sum", "min", "max"}
+    device : torch.device or str
+        Where the tensor lives for the collective (a CUDA device with NCCL).
+    group : ProcessGroup, optional
+    """
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"op: expected one of {', '.join(_REDUCE_OPS)}, got {op!r}")
+    values = [float(v) for v in values]
+    if not _is_distributed() or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=_REDUCE_OPS[op], group=group)
+    return t.tolist()
+
+
+def all_gather_objects(obj, *, group: dist.ProcessGroup | None = None) -> list:
+    """``[obj of rank 0, obj of rank 1, ...]`` (picklable objects); ``[obj]`` without a process
+    group. A collective: every rank of ``group`` must call it."""
+    if not _is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -132,8 +132,9 @@ def _device_supports(device: torch.device, precision: str) -> str | None:
     return None
 
 
-def check_config(cfg: TrainConfig) -> None:
-    """Raise ``ValueError`` naming the field on a configuration that cannot run."""
+def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
+    """Raise ``ValueError`` naming the field on a configuration that cannot run (on
+    ``world_size`` data-parallel ranks)."""
     from tokenmdp import estimators
     from tokenmdp.rl.rollout import PRECISIONS, RoutingReplay
     from tokenmdp.rl.tasks import TASKS
@@ -170,10 +171,21 @@ def check_config(cfg: TrainConfig) -> None:
     for name in ("eval_every", "warmup_steps", "checkpoint_every"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
+    if world_size > 1:
+        if cfg.prompts_per_step % world_size:
+            raise ValueError(f"prompts_per_step: {cfg.prompts_per_step} prompts do not split "
+                             f"evenly over {world_size} ranks")
+        if cfg.eval_size < world_size:
+            raise ValueError(f"eval_size: {cfg.eval_size} is fewer than the {world_size} ranks")
+        if cfg.mode == "rl" and isinstance(estimators.get(cfg.estimator).advantage,
+                                           estimators.BatchNormalized):
+            raise ValueError(f"estimator: {cfg.estimator} normalizes advantages over the whole "
+                             "batch, which data-parallel ranks do not hold; use a group-wise "
+                             "advantage (e.g. grpo, dr_grpo, rloo) or one process")
     per_step = cfg.prompts_per_step * (cfg.group_size if cfg.mode == "rl" else 1)
-    if cfg.minibatches > per_step:
-        raise ValueError(f"minibatches: {cfg.minibatches} exceeds the {per_step} sequences of "
-                         "a step")
+    if cfg.minibatches > per_step // world_size:
+        raise ValueError(f"minibatches: {cfg.minibatches} exceeds the {per_step // world_size} "
+                         "sequences of a step" + (" on each rank" if world_size > 1 else ""))
     for name in ("lr", "temperature", "eval_temperature"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)}")

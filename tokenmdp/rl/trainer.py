@@ -27,6 +27,26 @@ An update with a non-finite loss or gradient is skipped with a logged warning; a
 reference, optimizer, RNG states, step) is written atomically (temporary file, then
 ``os.replace``); ``resume=True`` continues from it and, on the CPU with deterministic algorithms,
 repeats an uninterrupted run's metrics exactly (except :data:`TIMING_FIELDS`).
+
+Scale-out (data parallel)::
+
+    torchrun --nproc_per_node=N -m tokenmdp.rl.trainer --task addition --estimator minirl ...
+
+Under ``torchrun`` (``WORLD_SIZE > 1``) :func:`train` joins the process group (gloo on the CPU,
+NCCL on CUDA, ``cuda:LOCAL_RANK``) and wraps the model in DDP. ``prompts_per_step`` is the
+*global* step: every rank draws the same prompts (one seed) and takes its contiguous
+``1/N`` share, so a step holds the prompts of a single-process step and groups never span
+ranks. Each rank runs its own rollout engine (sampling seed ``seed + rank``), ``old_logprob``
+pass and mini-batch split; the loss weights of every update come from counts all-reduced over
+the ranks (:func:`~tokenmdp.distributed.global_counts`) and each rank's loss is multiplied by
+:func:`~tokenmdp.distributed.data_parallel_loss_scale`, so after DDP's gradient all-reduce
+every rank holds the gradient of the global mini-batch (``tests/rl/test_trainer_ddp.py``
+checks it against the single-process update). Metrics are reduced over the ranks as sums of
+numerators and denominators; rank 0 writes them and the checkpoint (which holds every rank's
+RNG states); the held-out set is split over the ranks. Estimators whose advantage normalizes
+over the whole batch (``ppo``: :class:`~tokenmdp.estimators.BatchNormalized`) are rejected
+under data parallel, since each rank would normalize by its own share. FSDP is not used: the
+model is a few hundred thousand parameters, which every rank holds whole.
 """
 
 from __future__ import annotations
@@ -37,18 +57,28 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
-from tokenmdp.distributed import global_counts
+from tokenmdp.distributed import (
+    all_gather_objects,
+    all_reduce_floats,
+    data_parallel_loss_scale,
+    global_counts,
+    rank_and_world_size,
+)
 from tokenmdp.estimators import Aggregation, Estimator, KLPenalty, Reinforce, RewardAsAdvantage
 from tokenmdp.model import ModelConfig, MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
+from tokenmdp.rl.cli_commands import add_config_arguments, config_from_args
 from tokenmdp.rl.config import DTYPES, TrainConfig, check_config
 from tokenmdp.rl.rollout import (
     ENGINE_ROUTING,
@@ -62,8 +92,9 @@ from tokenmdp.rl.rollout import (
 )
 from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
 
-__all__ = ["SFT_ESTIMATOR", "TIMING_FIELDS", "NonFiniteError", "build_estimator", "build_model",
-           "minibatch_loss", "prepare_minibatch", "split_minibatches", "train"]
+__all__ = ["SFT_ESTIMATOR", "TIMING_FIELDS", "NonFiniteError", "TokenLogprobs", "build_estimator",
+           "build_model", "main", "minibatch_loss", "prepare_minibatch", "split_minibatches",
+           "train"]
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +116,15 @@ class NonFiniteError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------- building
-def build_model(cfg: TrainConfig, vocab_size: int) -> MoETransformer:
-    """The MoE transformer of ``cfg``, initialized from ``cfg.seed`` on ``cfg.device``."""
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | str | None = None
+                ) -> MoETransformer:
+    """The MoE transformer of ``cfg``, initialized from ``cfg.seed`` on ``device`` (default
+    ``cfg.device``)."""
     mc = ModelConfig(vocab_size=vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
                      n_heads=cfg.n_heads, n_experts=cfg.n_experts, top_k=cfg.top_k,
                      expert_hidden=cfg.expert_hidden, dense=cfg.dense, init_std=cfg.init_std)
     return MoETransformer(mc, generator=torch.Generator().manual_seed(cfg.seed),
-                          device=cfg.device, dtype=DTYPES[cfg.dtype])
+                          device=cfg.device if device is None else device, dtype=DTYPES[cfg.dtype])
 
 
 def build_estimator(cfg: TrainConfig) -> Estimator:
@@ -106,12 +139,29 @@ def build_estimator(cfg: TrainConfig) -> Estimator:
 
 
 # ---------------------------------------------------------------------------------- one update
-def minibatch_loss(model: MoETransformer, batch: TokenBatch, estimator: Estimator,
+class TokenLogprobs(torch.nn.Module):
+    """``forward(batch, routing)`` = ``model.token_logprobs(batch, routing)``: the module DDP
+    wraps, so that the training pass goes through DDP's ``forward`` (which prepares the
+    gradient all-reduce, including for experts no token of this rank was routed to)."""
+
+    def __init__(self, model: MoETransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: TokenBatch, routing=None) -> torch.Tensor:
+        return self.model.token_logprobs(batch, routing=routing)
+
+
+def minibatch_loss(model: MoETransformer | torch.nn.Module, batch: TokenBatch, estimator: Estimator,
                    replay: RoutingReplay | str = RoutingReplay.NONE
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one update: ``log π_θ`` under the replayed routing, then
-    :func:`~tokenmdp.estimators.loss` with the batch's own ``advantage`` and ``loss_weight``."""
-    logprobs_RC = model.token_logprobs(batch, routing=replay_routing(batch, replay))
+    :func:`~tokenmdp.estimators.loss` with the batch's own ``advantage`` and ``loss_weight``.
+
+    ``model`` is the MoE transformer or (data parallel) the DDP-wrapped :class:`TokenLogprobs`
+    of it."""
+    forward = model.token_logprobs if isinstance(model, MoETransformer) else model
+    logprobs_RC = forward(batch, routing=replay_routing(batch, replay))
     return estimators.loss(logprobs_RC.to(batch.dtype), batch, estimator)
 
 
@@ -139,32 +189,41 @@ def split_minibatches(batch: TokenBatch, n: int, *, generator: torch.Generator,
 class _Run:
     """Everything a run carries from step to step (all of it is in the checkpoint)."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, device: torch.device | str | None = None) -> None:
         self.cfg = cfg
+        self.rank, self.world = rank_and_world_size()
+        self.device = torch.device(cfg.device if device is None else device)
         self.task: Task = get_task(cfg.task)
         self.tok: CharTokenizer = self.task.tokenizer
         self.est = build_estimator(cfg)
         self.replay = RoutingReplay(cfg.replay) if cfg.mode == "rl" else RoutingReplay.NONE
         self.dtype = DTYPES[cfg.dtype]
         self.capacity = self.task.max_prompt_len() + cfg.max_new_tokens
-        self.model = build_model(cfg, self.tok.vocab_size)
+        self.model = build_model(cfg, self.tok.vocab_size, self.device)
         if cfg.init is not None:
-            state = torch.load(cfg.init, map_location=cfg.device, weights_only=True)
+            state = torch.load(cfg.init, map_location=self.device, weights_only=True)
             if state["model_config"] != dataclasses.asdict(self.model.config):
                 raise ValueError(f"init: {cfg.init} holds a model of another shape: "
                                  f"{state['model_config']}")
             self.model.load_state_dict(state["model"])
         self.reference = MoETransformer(self.model.config, generator=torch.Generator(),
-                                        device=cfg.device, dtype=self.dtype)
+                                        device=self.device, dtype=self.dtype)
         self.reference.load_state_dict(self.model.state_dict())
         self.reference.requires_grad_(False)
+        # the training pass: through DDP when data parallel (rollout, old_logprob and
+        # evaluation passes use self.model directly: no gradient, nothing to synchronize)
+        self.trained: torch.nn.Module = self.model
+        if self.world > 1:
+            self.trained = DistributedDataParallel(TokenLogprobs(self.model),
+                                                   find_unused_parameters=True,
+                                                   broadcast_buffers=False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay)
         self.engine = RolloutEngine(self.model, precision=cfg.rollout_precision)
-        self.sample_gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
-        self.rng = np.random.default_rng(cfg.seed)
+        self.sample_gen = torch.Generator(device=self.device).manual_seed(cfg.seed + self.rank)
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * self.rank)
+        self.rng = np.random.default_rng(cfg.seed)  # the same on every rank: the step's prompts
         self.eval_set = self.task.eval_split(cfg.eval_size, cfg.eval_seed)
         self.exclude = frozenset(ex.prompt for ex in self.eval_set)
         self.step = 0
@@ -172,11 +231,15 @@ class _Run:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: Path) -> None:
+        """Write the checkpoint (rank 0; a collective: every rank calls it, for its RNG states)."""
+        rngs = all_gather_objects({"numpy_rng": self.rng.bit_generator.state,
+                                   "sample_gen": self.sample_gen.get_state().cpu(),
+                                   "shuffle_gen": self.shuffle_gen.get_state()})
+        if self.rank != 0:
+            return
         state = {"model": self.model.state_dict(), "reference": self.reference.state_dict(),
                  "optimizer": self.optimizer.state_dict(), "step": self.step,
-                 "nonfinite_run": self.nonfinite_run, "numpy_rng": self.rng.bit_generator.state,
-                 "sample_gen": self.sample_gen.get_state(),
-                 "shuffle_gen": self.shuffle_gen.get_state(),
+                 "nonfinite_run": self.nonfinite_run, "rng": rngs,
                  "model_config": dataclasses.asdict(self.model.config),
                  "config": dataclasses.asdict(self.cfg)}
         tmp = path.with_name(path.name + ".tmp")
@@ -184,23 +247,33 @@ class _Run:
         os.replace(tmp, path)  # atomic: a reader sees the old or the new checkpoint, never half
 
     def load(self, path: Path) -> None:
-        state = torch.load(path, map_location=self.cfg.device, weights_only=True)
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        if len(state["rng"]) != self.world:
+            raise ValueError(f"resume: {path} was written by {len(state['rng'])} rank(s), this "
+                             f"run has {self.world}; resume with the same number of ranks")
         changed = sorted(k for k, v in dataclasses.asdict(self.cfg).items()
                          if k not in _RESUMABLE and state["config"].get(k) != v)
-        if changed:
+        if changed and self.rank == 0:
             log.warning("resuming %s with changed settings: %s", path, ", ".join(changed))
         self.model.load_state_dict(state["model"])
         self.reference.load_state_dict(state["reference"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.nonfinite_run = state["step"], state["nonfinite_run"]
-        self.rng.bit_generator.state = state["numpy_rng"]
-        self.sample_gen.set_state(state["sample_gen"])
-        self.shuffle_gen.set_state(state["shuffle_gen"])
+        rng = state["rng"][self.rank]
+        self.rng.bit_generator.state = rng["numpy_rng"]
+        self.sample_gen.set_state(rng["sample_gen"])
+        self.shuffle_gen.set_state(rng["shuffle_gen"].cpu())
 
     # ------------------------------------------------------------------ data of one step
+    def _share(self, examples: list) -> list:
+        """This rank's contiguous share of the step's examples (all of them on one process)."""
+        per_rank = len(examples) // self.world
+        return examples[self.rank * per_rank:(self.rank + 1) * per_rank]
+
     def rollout(self) -> tuple[TokenBatch, dict[str, float]]:
         cfg = self.cfg
-        examples = self.task.sample(cfg.prompts_per_step, self.rng, exclude=self.exclude)
+        examples = self._share(self.task.sample(cfg.prompts_per_step, self.rng,
+                                                exclude=self.exclude))
         repeated = [ex for ex in examples for _ in range(cfg.group_size)]
         groups = [i for i in range(len(examples)) for _ in range(cfg.group_size)]
         self.engine.sync(self.model)
@@ -223,45 +296,72 @@ class _Run:
                 batch, routing=replay_routing(batch, self.replay))
             ent_RC = -torch.where(lp_RCV > -math.inf, lp_RCV.exp() * lp_RCV, 0.0).sum(-1)
         mask = batch.loss_mask
-        stats = {"reward": float(reward_S.mean()), "reward_std": float(reward_S.std(correction=0)),
-                 "train_accuracy": float(np.mean(correct)),
-                 "response_length": float(batch.length.double().mean()),
-                 "entropy": float(ent_RC[mask].double().mean()),
-                 "train_infer_kl_k1": training_inference_kl(batch, kind="k1"),
-                 "train_infer_kl_k3": training_inference_kl(batch, kind="k3"),
-                 "routing_mismatch": routing_mismatch_rate(batch.token_extras[ENGINE_ROUTING],
-                                                           batch.token_extras[OLD_ROUTING])}
+        tokens = float(mask.sum())
+        engine_RCLK = batch.token_extras[ENGINE_ROUTING]
+        old_RCLK = batch.token_extras[OLD_ROUTING]
+        both = (engine_RCLK >= 0).all(-1) & (old_RCLK >= 0).all(-1)
+        mismatch = routing_mismatch_rate(engine_RCLK, old_RCLK) * float(both.sum())
+        reward = reward_S.double()
+        # sums over this rank, reduced over the ranks, then divided: step-wide ratios
+        sums = dict(seqs=len(responses), reward=float(reward.sum()),
+                    reward_sq=float((reward ** 2).sum()), correct=float(sum(correct)),
+                    length=float(batch.length.double().sum()), tokens=tokens,
+                    entropy=float(ent_RC[mask].double().sum()),
+                    kl_k1=training_inference_kl(batch, kind="k1") * tokens,
+                    kl_k3=training_inference_kl(batch, kind="k3") * tokens,
+                    mismatch=mismatch, routed=float(both.sum()))
+        g = dict(zip(sums, all_reduce_floats(list(sums.values()), device=self.device)))
+        n, t = g["seqs"], max(g["tokens"], 1.0)
+        mean_reward = g["reward"] / n
+        stats = {"reward": mean_reward,
+                 "reward_std": math.sqrt(max(g["reward_sq"] / n - mean_reward ** 2, 0.0)),
+                 "train_accuracy": g["correct"] / n, "response_length": g["length"] / n,
+                 "entropy": g["entropy"] / t, "train_infer_kl_k1": g["kl_k1"] / t,
+                 "train_infer_kl_k3": g["kl_k3"] / t,
+                 "routing_mismatch": g["mismatch"] / g["routed"] if g["routed"] else 0.0}
         return batch, stats
 
     def demonstrations(self) -> tuple[TokenBatch, dict[str, float]]:
-        examples = self.task.sample(self.cfg.prompts_per_step, self.rng, exclude=self.exclude)
+        examples = self._share(self.task.sample(self.cfg.prompts_per_step, self.rng,
+                                                exclude=self.exclude))
         batch = TokenBatch.from_sequences(
             [self.tok.encode(ex.prompt) for ex in examples],
             [self.tok.encode(ex.answer) + [self.tok.EOS] for ex in examples],
-            rewards=[1.0] * len(examples), dtype=self.dtype, device=self.cfg.device)
+            rewards=[1.0] * len(examples), dtype=self.dtype, device=self.device)
         batch = pack_first_fit_decreasing(batch, self.capacity)
-        return batch, {"response_length": float(batch.length.double().mean())}
+        n, length = all_reduce_floats([batch.num_sequences, float(batch.length.double().sum())],
+                                      device=self.device)
+        return batch, {"response_length": length / n}
 
     # ------------------------------------------------------------------ updates
     def updates(self, batch: TokenBatch) -> dict[str, float]:
+        """Prepare the step (advantages of whole groups; this rank's share), then
+        ``minibatches`` optimizer updates. Returns the step's update metrics (over all ranks)."""
         cfg, params = self.cfg, list(self.model.parameters())
         batch = estimators.prepare(batch, self.est, max_len=cfg.max_new_tokens)
         parts = split_minibatches(batch, cfg.minibatches, generator=self.shuffle_gen,
                                   capacity=self.capacity)
+        scale = data_parallel_loss_scale()
         losses, norms, metrics, skipped = [], [], [], 0
         for part in parts:
             part = prepare_minibatch(part, self.est, max_len=cfg.max_new_tokens)
             self.optimizer.zero_grad(set_to_none=True)
-            loss, m = minibatch_loss(self.model, part, self.est, self.replay)
-            if torch.isfinite(loss):
-                loss.backward()
+            loss, m = minibatch_loss(self.trained, part, self.est, self.replay)
+            # every rank skips together (DDP's backward is a collective); the rank losses sum
+            # to the mini-batch's loss (weights from the global counts)
+            finite, global_loss = all_reduce_floats(
+                [float(torch.isfinite(loss)), float(loss.detach())], device=self.device)
+            finite = finite == self.world
+            if finite:
+                (loss * scale).backward()
                 norm = torch.nn.utils.clip_grad_norm_(
                     params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-            if not torch.isfinite(loss) or not torch.isfinite(norm):
+            if not finite or not torch.isfinite(norm):
                 self.nonfinite_run += 1
                 skipped += 1
-                log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)",
-                            self.step, self.nonfinite_run)
+                if self.rank == 0:
+                    log.warning("step %d: non-finite loss or gradient, update skipped (%d in a "
+                                "row)", self.step, self.nonfinite_run)
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.nonfinite_run >= cfg.max_nonfinite:
                     raise NonFiniteError(f"{self.nonfinite_run} updates in a row had a "
@@ -269,31 +369,42 @@ class _Run:
                 continue
             self.nonfinite_run = 0
             self.optimizer.step()
-            losses.append(float(loss.detach()))
+            losses.append(global_loss)
             norms.append(float(norm))
             metrics.append(m)
         out = {"loss": _mean(losses), "grad_norm": _mean(norms), "skipped_updates": skipped}
-        tokens = [float(m["tokens"]) for m in metrics]
-        for key in ("clip_fraction", "masked_fraction", "r_mean", "rho_mean", "kl_ref"):
-            if metrics and key in metrics[0]:  # token-weighted over the updates
-                out[key] = sum(float(m[key]) * t for m, t in zip(metrics, tokens)) / \
-                    max(sum(tokens), 1.0)
-        for key, pick in (("r_min", min), ("r_max", max), ("rho_min", min), ("rho_max", max)):
-            if metrics and key in metrics[0]:
-                out[key] = pick(float(m[key]) for m in metrics)
+        if not metrics:
+            return out
+        # token-weighted over the updates and the ranks; extremes over both
+        weighted = [k for k in ("clip_fraction", "masked_fraction", "r_mean", "rho_mean", "kl_ref")
+                    if k in metrics[0]]
+        sums = all_reduce_floats(
+            [sum(float(m["tokens"]) for m in metrics)] +
+            [sum(float(m[k]) * float(m["tokens"]) for m in metrics) for k in weighted],
+            device=self.device)
+        out.update({k: v / max(sums[0], 1.0) for k, v in zip(weighted, sums[1:])})
+        for keys, pick, op in ((("r_min", "rho_min"), min, "min"), (("r_max", "rho_max"), max, "max")):
+            keys = [k for k in keys if k in metrics[0]]
+            values = all_reduce_floats([pick(float(m[k]) for m in metrics) for k in keys],
+                                       op=op, device=self.device)
+            out.update(zip(keys, values))
         return out
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Fraction of held-out prompts answered correctly (near-greedy sampling)."""
+        """Fraction of held-out prompts answered correctly (near-greedy sampling; the held-out
+        set is split over the ranks)."""
         self.engine.sync(self.model)
-        gen = torch.Generator(device=self.cfg.device).manual_seed(self.cfg.eval_seed + self.step)
-        batch = self.engine.generate([self.tok.encode(ex.prompt) for ex in self.eval_set],
+        share = self.eval_set[self.rank::self.world]
+        gen = torch.Generator(device=self.device).manual_seed(
+            self.cfg.eval_seed + self.step + 7919 * self.rank)
+        batch = self.engine.generate([self.tok.encode(ex.prompt) for ex in share],
                                      max_new_tokens=self.cfg.max_new_tokens, eos_id=self.tok.EOS,
                                      generator=gen, temperature=self.cfg.eval_temperature,
                                      dtype=self.dtype)
-        return float(np.mean([self.task.is_correct(ex, r)
-                              for ex, (_, r) in zip(self.eval_set, batch.sequences())]))
+        correct = sum(self.task.is_correct(ex, r) for ex, (_, r) in zip(share, batch.sequences()))
+        correct, total = all_reduce_floats([correct, len(share)], device=self.device)
+        return correct / total
 
 
 def _mean(values: list[float]) -> float | None:
@@ -321,11 +432,34 @@ def _keep_metrics_before(path: Path, step: int) -> None:
         path.write_text("".join(ln + "\n" for ln in kept))
 
 
+@contextlib.contextmanager
+def _process_group(cfg: TrainConfig):
+    """Join the process group ``torchrun`` describes (``WORLD_SIZE > 1`` in the environment)
+    unless one is already initialized; yield this rank's device; leave the group at the end
+    if it was joined here."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(cfg.device)
+    joined = False
+    if world > 1 and not (dist.is_available() and dist.is_initialized()):
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        joined = True
+    try:
+        yield device
+    finally:
+        if joined:
+            dist.destroy_process_group()
+
+
 def train(cfg: TrainConfig) -> list[dict]:
     """Run ``cfg`` (RL or SFT, see the module docstring) and return this call's metrics rows.
 
     Writes ``out_dir/metrics.jsonl`` (one JSON object per step: ``step`` 0-based, ``lr``,
     the step statistics, ``eval_accuracy`` at evaluation steps) and ``out_dir/checkpoint.pt``.
+    Under ``torchrun`` every rank returns the same rows (reduced over the ranks) and rank 0
+    writes the files.
 
     Raises
     ------
@@ -334,17 +468,21 @@ def train(cfg: TrainConfig) -> list[dict]:
     NonFiniteError
         After ``max_nonfinite`` consecutive non-finite updates.
     """
-    check_config(cfg)
+    check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt, metrics_path = out / CHECKPOINT, out / METRICS
     rows = []
-    with _deterministic(cfg.deterministic):
-        run = _Run(cfg)
+    with _process_group(cfg) as device, _deterministic(cfg.deterministic):
+        run = _Run(cfg, device)
+        lead = run.rank == 0
+        if lead:
+            out.mkdir(parents=True, exist_ok=True)
         if cfg.resume and ckpt.exists():
             run.load(ckpt)
-            log.info("resumed from %s at step %d", ckpt, run.step)
-        _keep_metrics_before(metrics_path, run.step if cfg.resume else 0)
+            if lead:
+                log.info("resumed from %s at step %d", ckpt, run.step)
+        if lead:
+            _keep_metrics_before(metrics_path, run.step if cfg.resume else 0)
         while run.step < cfg.steps:
             t0 = time.perf_counter()
             lr = cfg.lr * (min(1.0, (run.step + 1) / cfg.warmup_steps) if cfg.warmup_steps
@@ -355,17 +493,45 @@ def train(cfg: TrainConfig) -> list[dict]:
                 batch, stats = run.rollout()
             else:
                 batch, stats = run.demonstrations()
-            row = {"step": run.step, "lr": lr, **stats, **run.updates(batch),
-                   "tokens": batch.num_real_tokens}
+            (tokens,) = all_reduce_floats([batch.num_real_tokens], device=run.device)
+            row = {"step": run.step, "lr": lr, **stats, **run.updates(batch), "tokens": int(tokens)}
             last = run.step == cfg.steps - 1
             run.step += 1
             if last or (cfg.eval_every and run.step % cfg.eval_every == 0):
                 row["eval_accuracy"] = run.evaluate()
             row["time_s"] = time.perf_counter() - t0
             row["tokens_per_s"] = row["tokens"] / max(row["time_s"], 1e-9)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            if lead:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
             rows.append(row)
             if last or (cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0):
                 run.save(ckpt)
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tokenmdp.rl.trainer [--mode rl|sft] [options]``: one run, the entry point for
+    ``torchrun --nproc_per_node=N -m tokenmdp.rl.trainer ...`` (the options of ``tokenmdp
+    train``, plus ``--mode``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tokenmdp.rl.trainer",
+                                     description="One training run (RL or SFT); under torchrun, "
+                                                 "data parallel over the ranks.")
+    add_config_arguments(parser, skip=())
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        rows = train(config_from_args(args, args.mode))
+    except (ValueError, NonFiniteError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1 if isinstance(err, NonFiniteError) else 2
+    if rows and rank_and_world_size()[0] == 0:
+        print(json.dumps({k: rows[-1][k] for k in ("step", "reward", "loss", "eval_accuracy")
+                          if k in rows[-1]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
