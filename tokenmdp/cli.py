@@ -7,7 +7,8 @@ Subcommands:
 * ``tokenmdp estimators`` — the estimator registry as a table;
 * ``tokenmdp exact`` — build a small token MDP and a policy, print the exact ``J`` and ``∇J``;
 * ``tokenmdp sft`` / ``tokenmdp train`` — the trainer (:mod:`tokenmdp.rl.trainer`), options generated
-  from :class:`tokenmdp.rl.config.TrainConfig`.
+  from :class:`tokenmdp.rl.config.TrainConfig`;
+* ``tokenmdp plot`` — training curves of runs from their ``metrics.jsonl`` (:mod:`tokenmdp.rl.plot`).
 """
 
 from __future__ import annotations
@@ -199,9 +200,10 @@ def make_parser() -> argparse.ArgumentParser:
     add_mdp_arguments(p)
     p.add_argument("--show", type=int, default=8, help="number of gradient entries to print")
     p.set_defaults(func=cmd_exact)
-    from tokenmdp.rl.cli_commands import add_trainer_commands
+    from tokenmdp.rl.cli_commands import add_plot_command, add_trainer_commands
 
     add_trainer_commands(sub)
+    add_plot_command(sub)
     return parser
 
 

@@ -15,8 +15,9 @@ One RL step (``mode="rl"``), reading order of :func:`train`:
    update is its own optimizer step** (as in PPO), so each mini-batch gets the loss weights of
    its own counts (:func:`prepare_minibatch`); the advantages of step 5 are kept. Updates
    ``2..N`` are off-policy: ``π_θ ≠ π_old``, which the estimator's ratio and clip handle;
-7. metrics (one JSON line per step in ``out_dir/metrics.jsonl``) and, every ``eval_every``
-   steps, the held-out accuracy.
+7. metrics (one JSON line per step in ``out_dir/metrics.jsonl``, TensorBoard scalars when
+   ``tensorboard`` is installed, a progress line on a terminal: :class:`~tokenmdp.rl.logger.RunLogger`)
+   and, every ``eval_every`` steps, the held-out accuracy; ``tokenmdp plot RUN_DIR`` draws them.
 
 SFT (``mode="sft"``) is the same loop with demonstrations (the task's correct answers) in place
 of steps 1-4, ``A = 1`` and a REINFORCE surrogate with token-mean aggregation: the loss is the
@@ -80,6 +81,7 @@ from tokenmdp.model import ModelConfig, MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
 from tokenmdp.rl.cli_commands import add_config_arguments, config_from_args
 from tokenmdp.rl.config import DTYPES, TrainConfig, check_config
+from tokenmdp.rl.logger import RunLogger
 from tokenmdp.rl.rollout import (
     ENGINE_ROUTING,
     OLD_ROUTING,
@@ -108,7 +110,6 @@ SFT_ESTIMATOR = Estimator(name="sft", surrogate=Reinforce(), advantage=RewardAsA
 _RESUMABLE = ("steps", "resume", "eval_every", "checkpoint_every", "out_dir")
 """Settings a resumed run may change without a warning."""
 CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.jsonl"
 
 
 class NonFiniteError(RuntimeError):
@@ -424,14 +425,6 @@ def _deterministic(enabled: bool):
         torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
-def _keep_metrics_before(path: Path, step: int) -> None:
-    """Drop lines of steps ``>= step`` (written after the checkpoint a resumed run starts from)."""
-    if path.exists():
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        kept = [ln for ln in lines if json.loads(ln)["step"] < step]
-        path.write_text("".join(ln + "\n" for ln in kept))
-
-
 @contextlib.contextmanager
 def _process_group(cfg: TrainConfig):
     """Join the process group ``torchrun`` describes (``WORLD_SIZE > 1`` in the environment)
@@ -470,43 +463,41 @@ def train(cfg: TrainConfig) -> list[dict]:
     """
     check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     out = Path(cfg.out_dir)
-    ckpt, metrics_path = out / CHECKPOINT, out / METRICS
+    ckpt = out / CHECKPOINT
     rows = []
     with _process_group(cfg) as device, _deterministic(cfg.deterministic):
         run = _Run(cfg, device)
         lead = run.rank == 0
-        if lead:
-            out.mkdir(parents=True, exist_ok=True)
         if cfg.resume and ckpt.exists():
             run.load(ckpt)
             if lead:
                 log.info("resumed from %s at step %d", ckpt, run.step)
-        if lead:
-            _keep_metrics_before(metrics_path, run.step if cfg.resume else 0)
-        while run.step < cfg.steps:
-            t0 = time.perf_counter()
-            lr = cfg.lr * (min(1.0, (run.step + 1) / cfg.warmup_steps) if cfg.warmup_steps
-                           else 1.0)
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr
-            if cfg.mode == "rl":
-                batch, stats = run.rollout()
-            else:
-                batch, stats = run.demonstrations()
-            (tokens,) = all_reduce_floats([batch.num_real_tokens], device=run.device)
-            row = {"step": run.step, "lr": lr, **stats, **run.updates(batch), "tokens": int(tokens)}
-            last = run.step == cfg.steps - 1
-            run.step += 1
-            if last or (cfg.eval_every and run.step % cfg.eval_every == 0):
-                row["eval_accuracy"] = run.evaluate()
-            row["time_s"] = time.perf_counter() - t0
-            row["tokens_per_s"] = row["tokens"] / max(row["time_s"], 1e-9)
-            if lead:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-            rows.append(row)
-            if last or (cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0):
-                run.save(ckpt)
+        # rank 0 writes metrics.jsonl (dropping lines after the checkpoint), TensorBoard, progress
+        with RunLogger(out, total_steps=cfg.steps, start_step=run.step if cfg.resume else 0,
+                       enabled=lead) as logger:
+            while run.step < cfg.steps:
+                t0 = time.perf_counter()
+                lr = cfg.lr * (min(1.0, (run.step + 1) / cfg.warmup_steps) if cfg.warmup_steps
+                               else 1.0)
+                for group in run.optimizer.param_groups:
+                    group["lr"] = lr
+                if cfg.mode == "rl":
+                    batch, stats = run.rollout()
+                else:
+                    batch, stats = run.demonstrations()
+                (tokens,) = all_reduce_floats([batch.num_real_tokens], device=run.device)
+                row = {"step": run.step, "lr": lr, **stats, **run.updates(batch),
+                       "tokens": int(tokens)}
+                last = run.step == cfg.steps - 1
+                run.step += 1
+                if last or (cfg.eval_every and run.step % cfg.eval_every == 0):
+                    row["eval_accuracy"] = run.evaluate()
+                row["time_s"] = time.perf_counter() - t0
+                row["tokens_per_s"] = row["tokens"] / max(row["time_s"], 1e-9)
+                logger.log(row)
+                rows.append(row)
+                if last or (cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0):
+                    run.save(ckpt)
     return rows
 
 
