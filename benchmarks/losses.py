@@ -14,6 +14,7 @@ setting (the two alternate, so each pair sees the same machine load). Targets (i
 per-token surrogates <= 1.2x, sequence-level ones <= 1.5x.
 
     python benchmarks/losses.py [--tokens 1000000] [--vocab 32] [--repeats 7] [--threads N]
+                                [--estimators grpo,dapo_mis]
 """
 
 from __future__ import annotations
@@ -113,7 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--estimators", default=None,
+                        help="comma-separated registry names (default: all)")
     args = parser.parse_args(argv)
+    names = estimators.names() if args.estimators is None else args.estimators.split(",")
+    for name in names:
+        estimators.get(name)  # an unknown name fails here, before any timing
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{base_ms[1]:.1f} ms\n")
     header = f"{'estimator':16s} {'kind':9s} {'loss only':>10s} {'with head':>10s} {'target':>7s}"
     print(header + "\n" + "-" * len(header))
-    for name in estimators.names():
+    for name in names:
         est = estimators.get(name)
         step = estimators.prepare(batch, est, max_len=1024)
 

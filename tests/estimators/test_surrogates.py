@@ -151,3 +151,66 @@ def test_cispo_mask_needs_both_bounds():
     lp, old, adv = _tensors()
     with pytest.raises(ValueError, match="mask_eps"):
         cispo_term(lp, old, adv, eps_low=0.2, eps_high=0.2, mask_eps_low=0.2)
+
+
+def _ppo_clip_by_autograd(lp, old, adv, eps_low, eps_high, dual_clip):
+    """The PPO-clip formula as plain tensor ops (a second implementation, differentiated by
+    autograd), to check the fused function's value and hand-written backward."""
+    ratio = torch.exp((lp - old).clamp(max=MAX_LOG_RATIO))
+    term = torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    if dual_clip is not None:
+        term = torch.where(adv < 0, torch.maximum(term, dual_clip * adv), term)
+    return term
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_fused_ppo_clip_equals_the_formula_under_autograd(dtype, dual_clip):
+    gen = torch.Generator().manual_seed(7)
+    n = 4000  # log-ratios from far below to beyond the cap, every sign of Â, some Â = 0
+    log_r = torch.cat([torch.randn(n - 4, generator=gen, dtype=torch.float64) * 1.5,
+                       torch.tensor([25.0, -30.0, MAX_LOG_RATIO + 1, 0.0], dtype=torch.float64)])
+    adv = torch.randn(n, generator=gen, dtype=torch.float64) * (torch.rand(n, generator=gen) > 0.1)
+    old = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
+    lp = (old + log_r).to(dtype).reshape(40, -1)
+    old, adv = old.to(dtype).reshape(40, -1), adv.to(dtype).reshape(40, -1)
+    lp_a, lp_b = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    weights = torch.rand(lp.shape, generator=gen, dtype=torch.float64).to(dtype)
+    fused = ppo_clip_term(lp_a, old, adv, eps_low=0.2, eps_high=0.28, dual_clip=dual_clip)
+    reference = _ppo_clip_by_autograd(lp_b, old, adv, 0.2, 0.28, dual_clip)
+    torch.testing.assert_close(fused.term_RC, reference, rtol=0, atol=0)  # the same roundings
+    (g_a,) = torch.autograd.grad((weights * fused.term_RC).sum(), lp_a)
+    (g_b,) = torch.autograd.grad((weights * reference).sum(), lp_b)
+    torch.testing.assert_close(g_a, g_b, rtol=EXACT if dtype == torch.float64 else 1e-6, atol=0)
+    assert bool((g_a == 0).any()) and bool((g_a != 0).any())  # clipped and kept tokens both occur
+    ratio = torch.exp((lp - old).clamp(max=MAX_LOG_RATIO))
+    torch.testing.assert_close(fused.ratio_RC, ratio, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_fused_ppo_clip_gradient_matches_finite_differences(dual_clip):
+    # Away from the kinks (the clip bounds, the dual clip, the cap) the term is smooth, and
+    # torch.autograd.gradcheck compares the hand-written backward with central differences.
+    ratios = torch.tensor([0.3, 0.95, 1.1, 1.6, 2.0, 4.0, 0.5, 1.05], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0, 0.5, 1.5, -1.0, -0.7, -0.3, 2.5], dtype=torch.float64)
+    old = torch.full((8,), -1.2, dtype=torch.float64)
+    lp = (old + ratios.log()).requires_grad_(True)
+
+    def term(x):
+        return ppo_clip_term(x, old, adv, eps_low=0.2, eps_high=0.28, dual_clip=dual_clip).term_RC
+    assert torch.autograd.gradcheck(term, (lp,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_token_ratio_value_and_gradient_equal_the_formula_under_autograd():
+    gen = torch.Generator().manual_seed(5)
+    log_r = torch.cat([torch.randn(497, generator=gen, dtype=torch.float64) * 2,
+                       torch.tensor([25.0, -40.0, MAX_LOG_RATIO], dtype=torch.float64)])
+    old = -torch.rand(500, generator=gen, dtype=torch.float64) * 3
+    adv = torch.randn(500, generator=gen, dtype=torch.float64)
+    a, b = (old + log_r).requires_grad_(True), (old + log_r).requires_grad_(True)
+    fused = token_ratio_term(a, old, adv)
+    formula = torch.exp((b - old).clamp(max=MAX_LOG_RATIO)) * adv
+    torch.testing.assert_close(fused.term_RC, formula, rtol=0, atol=0)
+    (g_a,) = torch.autograd.grad(fused.term_RC.sum(), a)
+    (g_b,) = torch.autograd.grad(formula.sum(), b)
+    torch.testing.assert_close(g_a, g_b, rtol=EXACT, atol=0)

@@ -25,6 +25,33 @@ def capped_exp(log_x: torch.Tensor, *, bound: float = MAX_LOG_RATIO) -> torch.Te
     return torch.exp(log_x.clamp(max=bound))
 
 
+class _KnownDerivative(torch.autograd.Function):
+    """``value`` (computed without autograd) as a function of ``x`` whose elementwise derivative
+    is ``derivative``: the backward pass is one product, and nothing but ``derivative`` is kept
+    for it. Used for the per-token terms whose autograd chains (sub, clamp, exp, min, ...) would
+    each keep and re-read ``[R, C]`` intermediates: on a large step the loss is bound by memory
+    traffic."""
+
+    @staticmethod
+    def forward(ctx, x, value, derivative):
+        ctx.save_for_backward(derivative)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        (derivative,) = ctx.saved_tensors
+        return grad * derivative, None, None
+
+
+def with_derivative(x: torch.Tensor, value: torch.Tensor, derivative: torch.Tensor) -> torch.Tensor:
+    """``value`` carrying the gradient ``derivative ⊙ ∂/∂x`` back to ``x`` (``value`` and
+    ``derivative`` detached, elementwise functions of ``x``); ``value`` itself when ``x`` needs no
+    gradient. Tests compare each use with the same formula differentiated by autograd."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return value
+    return _KnownDerivative.apply(x, value.detach(), derivative.detach())
+
+
 def check_nonnegative(name: str, value: float | None, *, allow_none: bool = False) -> None:
     """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is finite and >= 0."""
     if value is None and allow_none:

@@ -19,9 +19,8 @@ import torch
 
 from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators._common import (
-    capped_exp,
+    MAX_LOG_RATIO,
     check_like_tokens,
-    masked_mean,
     require,
     to_tokens,
 )
@@ -163,46 +162,70 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator
     logprobs_RC = torch.where(mask, logprobs_RC, 0.0)
     terms = estimator.surrogate(logprobs_RC, batch)
     factor = estimator.correction(batch)
-    term = terms.term_RC if factor.factor_RC is None else terms.term_RC * factor.factor_RC
+    # Detached per-token weights, 0 off the loss tokens: loss_weight, times the correction factor
+    # for the surrogate. Folding the constant factor into the weight keeps it off the autograd
+    # graph; the terms are finite off the loss tokens (log-probs 0 there, ratios capped), so
+    # their zero weight removes them.
+    weight_RC = torch.where(mask, batch.loss_weight, 0.0)
+    surrogate_weight_RC = weight_RC if factor.factor_RC is None else weight_RC * factor.factor_RC
+    total = -_weighted_sum(surrogate_weight_RC, terms.term_RC)
     k_RC = None
     if estimator.kl is not None and not estimator.kl.in_reward:
-        penalty_RC, k_RC = estimator.kl.loss_penalty(logprobs_RC, batch)
-        term = term - penalty_RC
-    weighted = torch.where(mask, batch.loss_weight * term, 0.0)
-    total = -weighted.sum()
+        k_RC, is_weight_RC = estimator.kl.loss_penalty(logprobs_RC, batch)
+        kl_weight_RC = weight_RC if is_weight_RC is None else weight_RC * is_weight_RC
+        total = total + estimator.kl.coef * _weighted_sum(kl_weight_RC, k_RC)
     with torch.no_grad():
-        metrics = _metrics(logprobs_RC, batch, terms.clipped_RC, factor.keep_RC, k_RC)
+        metrics = _metrics(logprobs_RC, batch, terms, factor.keep_RC, k_RC)
     return total, metrics
 
 
-def _metrics(logprobs_RC, batch, clipped_RC, keep_RC, k_RC) -> dict[str, torch.Tensor]:
+def _weighted_sum(weight_RC: torch.Tensor, values_RC: torch.Tensor) -> torch.Tensor:
+    """``Σ weight · values`` as one dot product: no ``[R, C]`` temporary, and a backward pass of
+    one product (``weight`` is detached)."""
+    return torch.dot(weight_RC.reshape(-1), values_RC.reshape(-1))
+
+
+def _metrics(logprobs_RC, batch, terms, keep_RC, k_RC) -> dict[str, torch.Tensor]:
+    """The diagnostics of :func:`loss` (under ``no_grad``). Sums over the loss tokens are dot
+    products with the 0/1 mask (every tensor summed is finite off the loss tokens) and
+    temporaries are updated in place: on a large step these passes are bound by memory."""
     mask = batch.loss_mask
-    count = mask.sum().to(batch.dtype)
-    zero = count.new_zeros(())
-    out = {"tokens": count}
-    out["clip_fraction"] = (zero if clipped_RC is None
-                            else masked_mean(clipped_RC.to(batch.dtype), mask, count, empty=0.0))
-    out["masked_fraction"] = (zero if keep_RC is None
-                              else masked_mean((~keep_RC).to(batch.dtype), mask, count, empty=0.0))
-    lp = logprobs_RC  # under no_grad: values only
+    mask_f = mask.to(batch.dtype)
+    count = mask_f.sum()
     has = count > 0
+    denominator = count.clamp(min=1)
+
+    def mean(values_RC, empty: float):
+        return torch.where(has, _weighted_sum(mask_f, values_RC) / denominator, empty)
+
+    out = {"tokens": count}
+    zero = count.new_zeros(())
+    clipped_RC = terms.clipped_RC
+    out["clip_fraction"] = zero if clipped_RC is None else (clipped_RC & mask).sum() / denominator
+    out["masked_fraction"] = zero if keep_RC is None else (mask & ~keep_RC).sum() / denominator
+    # Off the loss tokens, ratios are filled with the value at the first loss token (one of the
+    # values over the loss tokens), so one aminmax gives their min and max.
+    off = ~mask
+    first = mask.reshape(-1).to(torch.uint8).argmax()
     for key, ref in (("r", batch.old_logprob), ("rho", batch.behavior_logprob)):
         if ref is None:
             continue
-        log_ratio = lp - ref
-        # min and max of the ratio are those of the log-ratio, exponentiated as scalars
-        lo = torch.where(mask, log_ratio, float("inf")).amin()
-        hi = torch.where(mask, log_ratio, -float("inf")).amax()
-        out[f"{key}_min"] = torch.where(has, capped_exp(lo), 1.0)
-        out[f"{key}_mean"] = masked_mean(capped_exp(log_ratio), mask, count, empty=1.0)
-        out[f"{key}_max"] = torch.where(has, capped_exp(hi), 1.0)
+        if key == "r" and terms.ratio_RC is not None:
+            ratio = terms.ratio_RC.clone()  # the surrogate's capped r
+        else:
+            ratio = (logprobs_RC - ref).clamp_(max=MAX_LOG_RATIO).exp_()
+        ratio.masked_fill_(off, ratio.reshape(-1)[first])
+        lo, hi = torch.aminmax(ratio)
+        out[f"{key}_min"] = torch.where(has, lo, 1.0)
+        out[f"{key}_mean"] = mean(ratio, 1.0)
+        out[f"{key}_max"] = torch.where(has, hi, 1.0)
     if batch.old_logprob is not None and batch.behavior_logprob is not None:
         log_q = batch.old_logprob - batch.behavior_logprob  # log(π_old/μ), tokens drawn from μ
-        out["train_infer_kl_k1"] = masked_mean(-log_q, mask, count, empty=0.0)
-        out["train_infer_kl_k3"] = masked_mean(capped_exp(log_q) - 1 - log_q, mask, count,
-                                               empty=0.0)
+        out["train_infer_kl_k1"] = 0.0 - mean(log_q, 0.0)
+        k3 = log_q.clamp(max=MAX_LOG_RATIO).exp_().sub_(1).sub_(log_q)
+        out["train_infer_kl_k3"] = mean(k3, 0.0)
     if k_RC is not None:  # the estimate k of KL(π_θ ‖ π_ref) of a KL-in-loss penalty
-        out["kl_ref"] = masked_mean(k_RC, mask, count, empty=0.0)
+        out["kl_ref"] = mean(k_RC, 0.0)
     return out
 
 

@@ -24,7 +24,14 @@ from collections.abc import Callable
 import torch
 
 from tokenmdp.batch import TokenBatch
-from tokenmdp.estimators._common import capped_exp, check_nonnegative, require, sequence_sum
+from tokenmdp.estimators._common import (
+    MAX_LOG_RATIO,
+    capped_exp,
+    check_nonnegative,
+    require,
+    sequence_sum,
+    with_derivative,
+)
 
 __all__ = ["KLPenalty", "kl_k1", "kl_k2", "kl_k3"]
 
@@ -42,10 +49,17 @@ def kl_k2(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Ten
 def kl_k3(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Tensor:
     """``k3 = (r - 1) - log r``, ``r = π_ref/π_θ`` (Schulman 2020; verl ``low_var_kl``).
 
-    ``r`` is held at ``e^20`` (beyond it only the ``-log r`` part carries gradient).
+    ``r`` is held at ``e^20`` (beyond it only the ``-log r`` part carries gradient). The
+    derivative ``∂k/∂log π_θ = 1 - r`` is attached by
+    :func:`~tokenmdp.estimators._common.with_derivative` (a one-product backward pass; the
+    reference log-probs are data and get no gradient).
     """
-    log_r = ref_logprobs_RC - logprobs_RC
-    return capped_exp(log_r) - 1 - log_r
+    with torch.no_grad():  # in place where possible: these passes are bound by memory
+        log_r = ref_logprobs_RC - logprobs_RC
+        r = capped_exp(log_r)
+        derivative = torch.rsub(r, 1).masked_fill_(log_r > MAX_LOG_RATIO, 1.0)
+        value = r.sub_(1).sub_(log_r)
+    return with_derivative(logprobs_RC, value, derivative)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,17 +99,19 @@ class KLPenalty:
         return self.coef * sequence_sum(torch.where(batch.loss_mask, k, 0.0), batch)
 
     def loss_penalty(self, logprobs_RC: torch.Tensor, batch: TokenBatch
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(β k · [sg(π_θ/μ)], k)`` per token ``[R, C]``, ``k = k(log π_θ, log π_ref)``."""
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(k, w)`` per token ``[R, C]``: ``k = k(log π_θ, log π_ref)`` (differentiable) and the
+        detached importance weight ``w = sg(π_θ/μ)`` (None unless ``importance_weighted``); the
+        penalty is ``β · w · k``. The loss folds ``β`` and ``w`` into its detached weights, so
+        neither is on the autograd graph."""
         who = "a KL penalty in the loss"
         k = self.estimator(logprobs_RC, require(batch, "ref_logprob", who))
-        penalty = self.coef * k
+        weight = None
         if self.importance_weighted:
             # sg(π_θ/μ): an importance weight on the sample, not a path for the gradient, so the
             # estimate is E_μ[(π_θ/μ) ∇k] = E_π[∇k] off-policy.
-            penalty = penalty * capped_exp(logprobs_RC.detach()
-                                           - require(batch, "behavior_logprob", who))
-        return penalty, k
+            weight = capped_exp(logprobs_RC.detach() - require(batch, "behavior_logprob", who))
+        return k, weight
 
     def describe(self) -> str:
         """Short label for tables."""

@@ -22,7 +22,13 @@ from typing import NamedTuple
 import torch
 
 from tokenmdp.batch import TokenBatch
-from tokenmdp.estimators._common import capped_exp, check_nonnegative, require
+from tokenmdp.estimators._common import (
+    MAX_LOG_RATIO,
+    capped_exp,
+    check_nonnegative,
+    require,
+    with_derivative,
+)
 
 __all__ = [
     "CISPO", "PPOClip", "MiniRL", "Reinforce", "Surrogate", "SurrogateTerms", "TokenRatio",
@@ -32,11 +38,13 @@ __all__ = [
 
 
 class SurrogateTerms(NamedTuple):
-    """A surrogate's output: the per-token term ``[R, C]`` and, detached, the bool ``[R, C]``
-    where a clip or mask was active (None when the surrogate has none)."""
+    """A surrogate's output: the per-token term ``[R, C]``; detached, the bool ``[R, C]`` where a
+    clip or mask was active (None when the surrogate has none) and, when the surrogate computed
+    it, the ratio ``r_t = π_θ/π_old`` (capped; the loss's metrics reuse it)."""
 
     term_RC: torch.Tensor
     clipped_RC: torch.Tensor | None
+    ratio_RC: torch.Tensor | None = None
 
 
 def _check_eps(eps_low: float, eps_high: float) -> None:
@@ -62,7 +70,12 @@ def token_ratio_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
     Gradient ``r_t Â ∇log π_θ``; with an IS correction the token weight is ``ρ_t`` and this is
     Qwen's token-level IS objective (arXiv 2512.01374, Eq. 3), the gradient of ``L_μ(π_θ)``.
     """
-    return SurrogateTerms(capped_exp(logprobs_RC - old_logprobs_RC) * advantages_RC, None)
+    with torch.no_grad():  # value r Â, derivative r Â below the cap (see with_derivative)
+        log_ratio = logprobs_RC - old_logprobs_RC
+        ratio = capped_exp(log_ratio)
+        value = ratio * advantages_RC
+        derivative = torch.where(log_ratio <= MAX_LOG_RATIO, value, 0.0)
+    return SurrogateTerms(with_derivative(logprobs_RC, value, derivative), None, ratio)
 
 
 def ppo_keep_mask(ratio_RC: torch.Tensor, advantages_RC: torch.Tensor, *, eps_low: float,
@@ -83,18 +96,29 @@ def ppo_clip_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
                   dual_clip: float | None = None) -> SurrogateTerms:
     """``min(r_t Â, clip(r_t, 1-ε_low, 1+ε_high) Â)`` (PPO, arXiv 1707.06347, Eq. 7; separate
     ε_low/ε_high: DAPO's clip-higher, arXiv 2503.14476); with ``dual_clip = c`` and ``Â < 0``:
-    ``max(min(...), c Â)`` (Ye et al., arXiv 1912.09729). Gradient ``M_t r_t Â ∇log π_θ``."""
+    ``max(min(...), c Â)`` (Ye et al., arXiv 1912.09729). Gradient ``M_t r_t Â ∇log π_θ``.
+
+    The value ``Â · (r if M else the bound r crossed)`` and the gradient coefficient ``M r Â``
+    (0 where ``log r`` exceeds the cap) are computed without autograd and joined by
+    :func:`~tokenmdp.estimators._common.with_derivative`: the same numbers as
+    ``torch.minimum(r Â, clip(r) Â)`` under autograd (``tests/estimators`` compares them), with
+    a one-product backward pass."""
     _check_eps(eps_low, eps_high)
     _check_dual_clip(dual_clip)
-    ratio = capped_exp(logprobs_RC - old_logprobs_RC)
-    term = torch.minimum(ratio * advantages_RC,
-                         ratio.clamp(1 - eps_low, 1 + eps_high) * advantages_RC)
-    if dual_clip is not None:
-        term = torch.where(advantages_RC < 0, torch.maximum(term, dual_clip * advantages_RC), term)
     with torch.no_grad():
-        clipped = ~ppo_keep_mask(ratio, advantages_RC, eps_low=eps_low, eps_high=eps_high,
-                                 dual_clip=dual_clip)
-    return SurrogateTerms(term, clipped)
+        log_ratio = logprobs_RC - old_logprobs_RC
+        ratio = capped_exp(log_ratio)
+        keep = ppo_keep_mask(ratio, advantages_RC, eps_low=eps_low, eps_high=eps_high,
+                             dual_clip=dual_clip)
+        # a dropped token sits on the bound it crossed: 1+ε_high (Â > 0), 1-ε_low (Â < 0, r
+        # low) or, with dual clip, c (Â < 0, r > c); there min/max(r Â, bound Â) = bound Â
+        scalar = ratio.new_tensor  # bounds as 0-dim tensors of the ratio's dtype (exact in float64)
+        low_bound = scalar(1 - eps_low) if dual_clip is None else torch.where(
+            ratio < 1 - eps_low, scalar(1 - eps_low), scalar(dual_clip))
+        bound = torch.where(advantages_RC > 0, scalar(1 + eps_high), low_bound)
+        value = torch.where(keep, ratio, bound).mul_(advantages_RC)
+        coef = torch.where(keep & (log_ratio <= MAX_LOG_RATIO), ratio, 0.0).mul_(advantages_RC)
+    return SurrogateTerms(with_derivative(logprobs_RC, value, coef), ~keep, ratio)
 
 
 def cispo_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
@@ -118,7 +142,7 @@ def cispo_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
         keep = ppo_keep_mask(ratio, advantages_RC, eps_low=mask_eps_low, eps_high=mask_eps_high)
         weight = weight * keep
         clipped = clipped | ~keep
-    return SurrogateTerms(weight * advantages_RC * logprobs_RC, clipped)
+    return SurrogateTerms(weight * advantages_RC * logprobs_RC, clipped, ratio)
 
 
 def minirl_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
@@ -133,7 +157,7 @@ def minirl_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
     ratio = capped_exp(logprobs_RC.detach() - old_logprobs_RC)
     keep = ppo_keep_mask(ratio, advantages_RC, eps_low=eps_low, eps_high=eps_high)
     return SurrogateTerms(torch.where(keep, ratio, 0.0) * advantages_RC
-                          * logprobs_RC, ~keep)
+                          * logprobs_RC, ~keep, ratio)
 
 
 # ---------------------------------------------------------------------- composable parts
