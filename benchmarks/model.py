@@ -11,15 +11,24 @@ routing replay, and the training-inference gap per engine precision.
 4. Routing mismatch rate and training-inference KL (k3) per engine precision, without replay and
    with R3, on one sampled batch.
 
-Times are the best of ``--repeats`` runs, on the CPU with ``--threads`` intra-op threads (default
-1: small kernels on a shared machine lose far more to thread hand-offs than they gain).
+5. Model FLOP utilization of the packed training step: ``6 x active parameters`` per token (the
+   routed experts only) plus the document-masked attention (``3 x 4 d sum_s n_s(n_s+1)/2`` per
+   layer), divided by the time and by ``--peak-tflops`` (H200 dense bf16: 989).
 
-Usage: ``python benchmarks/model.py [--gen-tokens 128] [--repeats 3] [--threads 1] [--quick]``.
+Times are the best of ``--repeats`` runs, on the CPU with ``--threads`` intra-op threads (default
+1: small kernels on a shared machine lose far more to thread hand-offs than they gain), or on
+``--device cuda`` (synchronized), in ``--dtype`` (model weights and compute; ``bfloat16`` on a
+GPU) with ``--attention`` (``flex`` is the document-masked FlexAttention path, CUDA only).
+``--size gpu`` is a larger model for one GPU (``benchmarks/gpu.sh``).
+
+Usage: ``python benchmarks/model.py [--gen-tokens 128] [--repeats 3] [--threads 1] [--quick]
+[--device cuda --dtype bfloat16 --attention flex --size gpu]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -40,15 +49,29 @@ from tokenmdp.rl import (
 
 CONFIG = ModelConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_experts=8, top_k=2,
                      expert_hidden=128, init_std=0.05)
+GPU_CONFIG = ModelConfig(vocab_size=256, d_model=512, n_layers=8, n_heads=8, n_experts=8, top_k=2,
+                         expert_hidden=1024, init_std=0.02)
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def best_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -57,7 +80,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def bench_generation(model, gen_tokens: int, repeats: int) -> None:
-    engine = RolloutEngine(model)
+    engine = RolloutEngine(model, precision="bf16" if model.embed.dtype == torch.bfloat16 else "fp32")
     ps = prompts(16, 16, 0)
     rates = {}
     for use_cache in (True, False):
@@ -66,8 +89,7 @@ def bench_generation(model, gen_tokens: int, repeats: int) -> None:
         def run(use_cache=use_cache, out=out):
             # sequences may stop early at EOS; the rate counts the tokens actually generated
             out["b"] = engine.generate(ps, max_new_tokens=gen_tokens, eos_id=CONFIG.vocab_size - 1,
-                                       generator=torch.Generator().manual_seed(1),
-                                       use_cache=use_cache)
+                                       generator=_generator(1), use_cache=use_cache)
 
         t = best_time(run, repeats)
         rates[use_cache] = int(out["b"].length.sum()) / t
@@ -85,17 +107,32 @@ def long_tailed_batch(num_sequences: int, seed: int) -> TokenBatch:
         toks = rng.integers(0, CONFIG.vocab_size, n).tolist()
         ps.append(toks[: n // 4 or 1])
         rs.append(toks[n // 4 or 1:])
-    return TokenBatch.from_sequences(ps, rs, dtype=torch.float32)
+    return TokenBatch.from_sequences(ps, rs, dtype=torch.float32).to(DEVICE)
 
 
 def train_step(model, batch, routing=None) -> None:
-    lp = model.token_logprobs(batch, routing=routing)
+    lp = model.token_logprobs(batch, routing=routing).float()
     loss = -(batch.loss_weight * batch.advantage * lp).sum() / max(batch.num_loss_tokens, 1)
     model.zero_grad(set_to_none=True)
     loss.backward()
 
 
-def bench_training(model, repeats: int, num_sequences: int) -> None:
+def training_flops(config: ModelConfig, lengths: list[int]) -> float:
+    """FLOPs of one forward + backward pass (3x the forward) over sequences of ``lengths``:
+    ``2 x active parameters`` per token for the matrix products (attention projections, the
+    ``top_k`` routed experts' SwiGLU, the router, the output head) and ``4 d`` per (query, key)
+    pair of the causal document-masked attention. Embedding lookups, norms and softmaxes are
+    not counted (the usual MFU convention)."""
+    d, h = config.d_model, config.expert_hidden
+    experts = 3 * d * h * (1 if config.dense else config.top_k)
+    router = 0 if config.dense else d * config.n_experts
+    per_token = config.n_layers * (4 * d * d + experts + router) + d * config.vocab_size
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    forward = 2 * per_token * sum(lengths) + config.n_layers * 4 * d * pairs
+    return 3.0 * forward
+
+
+def bench_training(model, repeats: int, num_sequences: int, peak_tflops: float) -> None:
     batch = long_tailed_batch(num_sequences, 0)
     longest = int(batch.sequence_lengths_total().max())
     padded = padded_layout(batch)
@@ -108,6 +145,10 @@ def bench_training(model, repeats: int, num_sequences: int) -> None:
     print(f"  padded  {padded.num_rows:4d} x {padded.capacity:4d}  {n / t_pad:10.0f} tokens/s")
     print(f"  packed  {packed.num_rows:4d} x {packed.capacity:4d}  {n / t_pack:10.0f} tokens/s")
     print(f"  speed-up      {t_pad / t_pack:10.2f}x   (target >= 1.5x)")
+    lengths = batch.sequence_lengths_total().tolist()
+    flops = training_flops(model.config, lengths)
+    print(f"  model FLOPs   {flops / t_pack / 1e12:10.3f} TFLOP/s packed = "
+          f"{100 * flops / t_pack / (peak_tflops * 1e12):.3f}% MFU of {peak_tflops:g} TFLOP/s")
     with torch.no_grad():
         _, trace = model.token_logprobs(packed, record_routing=True)
     # interleaved, so that a change of machine load hits both alike
@@ -126,7 +167,7 @@ def bench_precisions(model, gen_tokens: int) -> None:
     for precision in PRECISIONS:
         engine = RolloutEngine(model, precision=precision)
         batch = engine.generate(ps, max_new_tokens=gen_tokens, eos_id=CONFIG.vocab_size - 1,
-                                generator=torch.Generator().manual_seed(3))
+                                generator=_generator(3))
         row = []
         for replay in ("none", "r3"):
             step = compute_old_logprobs(model, batch, replay)
@@ -138,21 +179,34 @@ def bench_precisions(model, gen_tokens: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global CONFIG, DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex", "auto"])
+    parser.add_argument("--size", default="cpu", choices=["cpu", "gpu"],
+                        help="model size: the CPU one or a larger one for a GPU")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="the device's peak dense TFLOP/s in --dtype, for MFU (H200 bf16: 989)")
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    DEVICE = torch.device(args.device)
     if args.quick:
         args.gen_tokens, args.repeats, args.sequences = 16, 1, 16
-    model = MoETransformer(CONFIG, generator=torch.Generator().manual_seed(0))
-    print(f"model: {CONFIG}; torch threads: {torch.get_num_threads()}\n")
+    CONFIG = dataclasses.replace(GPU_CONFIG if args.size == "gpu" else CONFIG,
+                                 attention=args.attention)
+    model = MoETransformer(CONFIG, generator=torch.Generator().manual_seed(0), device=DEVICE,
+                           dtype=getattr(torch, args.dtype))
+    print(f"model: {CONFIG}; device {DEVICE}, {args.dtype}; torch threads: "
+          f"{torch.get_num_threads()}\n")
     bench_generation(model, args.gen_tokens, args.repeats)
     print()
-    bench_training(model, args.repeats, args.sequences)
+    bench_training(model, args.repeats, args.sequences, args.peak_tflops)
     print()
     bench_precisions(model, min(args.gen_tokens, 32))
 
