@@ -132,7 +132,7 @@ def training_flops(config: ModelConfig, lengths: list[int]) -> float:
     return 3.0 * forward
 
 
-def bench_training(model, repeats: int, num_sequences: int, peak_tflops: float) -> None:
+def bench_training(model, repeats: int, num_sequences: int, peak_tflops: float | None) -> None:
     batch = long_tailed_batch(num_sequences, 0)
     longest = int(batch.sequence_lengths_total().max())
     padded = padded_layout(batch)
@@ -147,8 +147,9 @@ def bench_training(model, repeats: int, num_sequences: int, peak_tflops: float) 
     print(f"  speed-up      {t_pad / t_pack:10.2f}x   (target >= 1.5x)")
     lengths = batch.sequence_lengths_total().tolist()
     flops = training_flops(model.config, lengths)
-    print(f"  model FLOPs   {flops / t_pack / 1e12:10.3f} TFLOP/s packed = "
-          f"{100 * flops / t_pack / (peak_tflops * 1e12):.3f}% MFU of {peak_tflops:g} TFLOP/s")
+    mfu = ("" if peak_tflops is None else
+           f" = {100 * flops / t_pack / (peak_tflops * 1e12):.3f}% MFU of {peak_tflops:g} TFLOP/s")
+    print(f"  model FLOPs   {flops / t_pack / 1e12:10.4f} TFLOP/s packed{mfu}")
     with torch.no_grad():
         _, trace = model.token_logprobs(packed, record_routing=True)
     # interleaved, so that a change of machine load hits both alike
@@ -190,12 +191,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex", "auto"])
     parser.add_argument("--size", default="cpu", choices=["cpu", "gpu"],
                         help="model size: the CPU one or a larger one for a GPU")
-    parser.add_argument("--peak-tflops", type=float, default=989.0,
-                        help="the device's peak dense TFLOP/s in --dtype, for MFU (H200 bf16: 989)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's peak dense TFLOP/s in --dtype, for MFU (default: 989, "
+                             "H200 dense bf16, on CUDA; none on the CPU)")
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     DEVICE = torch.device(args.device)
+    if args.peak_tflops is None and DEVICE.type == "cuda":
+        args.peak_tflops = 989.0
     if args.quick:
         args.gen_tokens, args.repeats, args.sequences = 16, 1, 16
     CONFIG = dataclasses.replace(GPU_CONFIG if args.size == "gpu" else CONFIG,
