@@ -13,7 +13,7 @@ divided by that of the plain weighted NLL ``-Σ loss_weight · advantage · log 
 setting (the two alternate, so each pair sees the same machine load). Targets (issue 3):
 per-token surrogates <= 1.2x, sequence-level ones <= 1.5x.
 
-    python benchmarks/losses.py [--tokens 1000000] [--vocab 32] [--repeats 7] [--threads N]
+    python benchmarks/losses.py [--tokens 1000000] [--vocab 32] [--repeats 11] [--threads N]
                                 [--estimators grpo,dapo_mis]
 """
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1_000_000)
     parser.add_argument("--vocab", type=int, default=32, help="vocabulary of the 'with head' run")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--estimators", default=None,

@@ -63,8 +63,8 @@ class CorrectionFactor(NamedTuple):
 def training_inference_log_weight(old_logprobs_RC: torch.Tensor, behavior_logprobs_RC: torch.Tensor,
                                   loss_mask_RC: torch.Tensor) -> torch.Tensor:
     """``log w_t = log π_old(y_t) - log μ(y_t)`` on loss tokens, 0 elsewhere."""
-    log_w = old_logprobs_RC - behavior_logprobs_RC
-    return torch.where(loss_mask_RC, log_w, 0.0)
+    # batch log-probs are finite, so a product with the 0/1 mask zeroes the rest in place
+    return (old_logprobs_RC - behavior_logprobs_RC).mul_(loss_mask_RC)
 
 
 def level_log_weight(log_w_RC: torch.Tensor, batch: TokenBatch, level: Level) -> torch.Tensor:
@@ -90,7 +90,7 @@ def importance_weight(log_w_RC: torch.Tensor, *, bound: float = MAX_LOG_RATIO) -
 def truncated_importance_weight(log_w_RC: torch.Tensor, *, cap: float) -> torch.Tensor:
     """TIS: ``min(w, C)`` computed as ``exp(min(log w, log C))`` (Yao et al. 2025)."""
     check_positive("cap", cap)
-    return torch.exp(log_w_RC.clamp(max=math.log(cap)))
+    return log_w_RC.clamp(max=math.log(cap)).exp_()
 
 
 def masked_importance_weight(log_w_RC: torch.Tensor, *, low: float, high: float
@@ -102,9 +102,9 @@ def masked_importance_weight(log_w_RC: torch.Tensor, *, low: float, high: float
     log_high = math.log(high)
     keep = log_w_RC <= log_high
     if low > 0:
-        keep = keep & (log_w_RC >= math.log(low))
-    weight = torch.exp(log_w_RC.clamp(max=log_high))
-    return torch.where(keep, weight, 0.0), keep
+        keep &= log_w_RC >= math.log(low)
+    weight = log_w_RC.clamp(max=log_high).exp_().mul_(keep)
+    return weight, keep
 
 
 # ---------------------------------------------------------------------- composable parts
