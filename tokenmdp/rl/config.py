@@ -67,7 +67,8 @@ class TrainConfig:
     eval_every: int = 10
     """Held-out accuracy every this many steps and at the last step (0: only at the last)."""
     eval_size: int = 32
-    """Number of held-out evaluation prompts."""
+    """Number of held-out evaluation prompts (training never draws them, so changing it also
+    changes which training prompts a seed draws)."""
     eval_temperature: float = 0.01
     """Sampling temperature of the evaluation (near greedy)."""
     seed: int = 0
