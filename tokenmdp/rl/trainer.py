@@ -143,7 +143,7 @@ def build_estimator(cfg: TrainConfig) -> Estimator:
 class TokenLogprobs(torch.nn.Module):
     """``forward(batch, routing)`` = ``model.token_logprobs(batch, routing)``: the module DDP
     wraps, so that the training pass goes through DDP's ``forward`` (which prepares the
-    gradient all-reduce, including for experts no token of this rank was routed to)."""
+    gradient all-reduce)."""
 
     def __init__(self, model: MoETransformer) -> None:
         super().__init__()
@@ -214,10 +214,8 @@ class _Run:
         # the training pass: through DDP when data parallel (rollout, old_logprob and
         # evaluation passes use self.model directly: no gradient, nothing to synchronize)
         self.trained: torch.nn.Module = self.model
-        if self.world > 1:
-            self.trained = DistributedDataParallel(TokenLogprobs(self.model),
-                                                   find_unused_parameters=True,
-                                                   broadcast_buffers=False)
+        if self.world > 1:  # experts are stacked parameters: every one is used in every pass
+            self.trained = DistributedDataParallel(TokenLogprobs(self.model))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay)
@@ -518,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, NonFiniteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1 if isinstance(err, NonFiniteError) else 2
-    if rows and rank_and_world_size()[0] == 0:
+    if rows and int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
         print(json.dumps({k: rows[-1][k] for k in ("step", "reward", "loss", "eval_accuracy")
                           if k in rows[-1]}))
     return 0
