@@ -164,6 +164,22 @@ def test_kl_in_the_reward_enters_before_the_advantage():
     assert not torch.allclose(a.advantage, b.advantage, atol=1e-6)
 
 
+def test_given_advantages_replace_the_advantage_part_and_nothing_else():
+    # A data-parallel rank passes advantages computed over the whole step; given the ones the
+    # part would compute, prepare returns the same batch; other values change only advantage.
+    batch, _ = _random_step(5, on_policy=False)
+    est = estimators.get("grpo").replace(kl=estimators.KLPenalty(coef=0.3, in_reward=True))
+    own = est.advantage(estimators.advantage_rewards(batch, est), batch.group)
+    a, b = prepare(batch, est), prepare(batch, est, advantage_S=own)
+    assert torch.equal(a.advantage, b.advantage) and torch.equal(a.loss_weight, b.loss_weight)
+    other = prepare(batch, est, advantage_S=torch.ones_like(own))
+    assert torch.equal(other.advantage, batch.loss_mask.to(DTYPE))
+    assert torch.equal(other.loss_weight, a.loss_weight)
+    for bad in (own[:-1], own.float(), own.tolist()):
+        with pytest.raises(ValueError, match="advantage_S"):
+            prepare(batch, est, advantage_S=bad)
+
+
 def test_bad_inputs_are_clear_errors():
     batch, lp = _random_step(4, on_policy=False)
     est = estimators.get("ppo")

@@ -38,7 +38,8 @@ COLLECTIVE_TIMEOUT_S = 60
 JOIN_TIMEOUT_S = 180
 TORCHRUN_TIMEOUT_S = 240
 TOL = 1e-10           # float64; only the order of summation differs
-ESTIMATORS = ("dapo", "minirl", "grpo")  # token-mean; seq-mean of token sums + TIS; KL in loss
+# token-mean; seq-mean of token sums + TIS; KL in the loss; batch-normalized advantages
+ESTIMATORS = ("dapo", "minirl", "grpo", "ppo")
 METRICS = ("loss", "grad_norm", "clip_fraction", "r_mean", "r_min", "r_max", "rho_mean",
            "kl_ref")
 
@@ -152,12 +153,26 @@ def test_two_rank_update_equals_the_single_process_update(updates, name):
                                                             abs=TOL), key
 
 
-def test_batch_normalized_advantages_are_rejected_under_data_parallel():
-    with pytest.raises(ValueError, match="estimator: ppo normalizes advantages"):
-        check_config(dataclasses.replace(CFG, estimator="ppo"), world_size=2)
+def test_batch_normalized_advantages_need_every_ranks_rewards(updates):
+    # ppo normalizes over the whole step: a rank normalizing its own share would differ
+    from tokenmdp import estimators
+
+    _, _, batches = updates
+    est = estimators.get("ppo")
+    share = _rank_share(batches["ppo"], 0)
+    local = estimators.prepare(share, est).advantage
+    whole = estimators.prepare(batches["ppo"], est)
+    by_sequence = whole.sequence_sum(whole.advantage) / whole.length
+    assert not torch.allclose(share.sequence_sum(local) / share.length,
+                              by_sequence[torch.isin(batches["ppo"].group, torch.tensor([0, 1]))])
+
+
+def test_data_parallel_configurations_are_checked():
     with pytest.raises(ValueError, match="prompts_per_step"):
         check_config(dataclasses.replace(CFG, prompts_per_step=3), world_size=2)
-    check_config(dataclasses.replace(CFG, estimator="ppo"), world_size=1)
+    with pytest.raises(ValueError, match="minibatches"):
+        check_config(dataclasses.replace(CFG, minibatches=9), world_size=2)
+    check_config(dataclasses.replace(CFG, minibatches=8), world_size=2)
 
 
 def _torchrun(out_dir, *extra: str) -> subprocess.CompletedProcess:

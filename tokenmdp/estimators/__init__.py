@@ -49,6 +49,7 @@ from tokenmdp.estimators.corrections import (
 )
 from tokenmdp.estimators.estimator import (
     Estimator,
+    advantage_rewards,
     counted_mask,
     loss,
     per_micro_batch_token_mean_loss,
@@ -87,7 +88,8 @@ __all__ = [
     "CorrectionFactor", "Estimator", "GSPOToken", "GroupMean", "GroupNormalized",
     "ImportanceSampling", "KLPenalty", "LeaveOneOut", "Level", "MaskedIS", "MiniRL",
     "NoCorrection", "PPOClip", "Reinforce", "RewardAsAdvantage", "SequenceRatio", "Surrogate",
-    "SurrogateTerms", "TokenRatio", "TruncatedIS", "batch_normalized_advantage", "cispo_term",
+    "SurrogateTerms", "TokenRatio", "TruncatedIS", "advantage_rewards",
+    "batch_normalized_advantage", "cispo_term",
     "count_step", "counted_mask", "describe", "format_table", "get", "group_mean_advantage",
     "group_normalized_advantage", "gspo_term", "gspo_token_term", "importance_weight", "kl_k1",
     "kl_k2", "kl_k3", "leave_one_out_advantage", "level_log_weight", "loss", "loss_weights",

@@ -128,6 +128,11 @@ class Advantage:
     with batch-wide statistics read it (groups never span steps).
     """
 
+    group_local: bool = True
+    """True when a sequence's advantage depends only on its own group: then any holder of whole
+    groups (a micro-batch, a data-parallel rank) computes it exactly. False for batch-wide
+    statistics, which need every sequence of the step."""
+
     def __call__(self, reward_S: torch.Tensor, group_S: torch.Tensor,
                  step_S: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -194,8 +199,9 @@ class LeaveOneOut(Advantage):
 @dataclasses.dataclass(frozen=True)
 class BatchNormalized(Advantage):
     """``A_i = (R_i - mean)/(std + eps)`` over the step (:func:`batch_normalized_advantage`);
-    groups are not used."""
+    groups are not used. Batch-wide: a data-parallel rank must see every rank's rewards."""
 
+    group_local = False
     ddof: int = 1
     """Delta degrees of freedom of the std."""
     eps: float = 1e-6

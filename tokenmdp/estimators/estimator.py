@@ -30,8 +30,8 @@ from tokenmdp.estimators.corrections import Correction, NoCorrection
 from tokenmdp.estimators.kl import KLPenalty
 from tokenmdp.estimators.surrogates import Surrogate
 
-__all__ = ["Estimator", "counted_mask", "loss", "per_micro_batch_token_mean_loss", "prepare",
-           "step_counts"]
+__all__ = ["Estimator", "advantage_rewards", "counted_mask", "loss",
+           "per_micro_batch_token_mean_loss", "prepare", "step_counts"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,7 +102,8 @@ def step_counts(batch: TokenBatch, estimator: Estimator) -> tuple[int, int]:
 
 def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None = None,
             num_sequences: int | None = None, max_len: int | None = None,
-            step: torch.Tensor | None = None) -> TokenBatch:
+            step: torch.Tensor | None = None,
+            advantage_S: torch.Tensor | None = None) -> TokenBatch:
     """Fill ``advantage`` and ``loss_weight`` once for the whole optimizer step.
 
     1. a KL-in-reward penalty ``β Σ_t k_t`` (from ``old_logprob`` and ``ref_logprob``) is
@@ -117,17 +118,32 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
     batch: counts and batch-wide statistics are then each step's own (see
     :func:`~tokenmdp.estimators.loss_weights`); the exact lab prepares thousands of group draws
     in one call this way.
+
+    ``advantage_S`` (float ``[S]``, optional) replaces steps 1-2: per-sequence advantages the
+    caller computed with :func:`advantage_rewards` and the estimator's advantage part over more
+    than this batch (a data-parallel rank's share of a step whose advantage is batch-wide).
     """
     estimator._check(batch, "prepare")
-    reward_S = batch.reward
-    if estimator.kl is not None and estimator.kl.in_reward:
-        reward_S = reward_S - estimator.kl.reward_penalty(batch)
-    advantage_S = estimator.advantage(reward_S, batch.group, step)
+    if advantage_S is None:
+        advantage_S = estimator.advantage(advantage_rewards(batch, estimator), batch.group, step)
+    elif not isinstance(advantage_S, torch.Tensor) or advantage_S.shape != batch.reward.shape \
+            or advantage_S.dtype != batch.dtype:
+        raise ValueError(f"advantage_S: expected a {batch.dtype} tensor of shape "
+                         f"{tuple(batch.reward.shape)}")
     advantage_RC = torch.where(batch.loss_mask, to_tokens(advantage_S, batch), 0.0)
     weights = loss_weights(batch, estimator.aggregation, num_tokens=num_tokens,
                            num_sequences=num_sequences, max_len=max_len,
                            mask=counted_mask(batch, estimator), step=step)
     return batch.replace(advantage=advantage_RC, loss_weight=weights)
+
+
+def advantage_rewards(batch: TokenBatch, estimator: Estimator) -> torch.Tensor:
+    """Float ``[S]``: the rewards the estimator's advantage part sees (the environment reward,
+    minus a KL-in-reward penalty ``β Σ_t k_t`` when the estimator has one)."""
+    estimator._check(batch, "prepare")
+    if estimator.kl is not None and estimator.kl.in_reward:
+        return batch.reward - estimator.kl.reward_penalty(batch)
+    return batch.reward
 
 
 def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator

@@ -178,11 +178,6 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
                              f"evenly over {world_size} ranks")
         if cfg.eval_size < world_size:
             raise ValueError(f"eval_size: {cfg.eval_size} is fewer than the {world_size} ranks")
-        if cfg.mode == "rl" and isinstance(estimators.get(cfg.estimator).advantage,
-                                           estimators.BatchNormalized):
-            raise ValueError(f"estimator: {cfg.estimator} normalizes advantages over the whole "
-                             "batch, which data-parallel ranks do not hold; use a group-wise "
-                             "advantage (e.g. grpo, dr_grpo, rloo) or one process")
     per_step = cfg.prompts_per_step * (cfg.group_size if cfg.mode == "rl" else 1)
     if cfg.minibatches > per_step // world_size:
         raise ValueError(f"minibatches: {cfg.minibatches} exceeds the {per_step // world_size} "

@@ -45,8 +45,8 @@ every rank holds the gradient of the global mini-batch (``tests/rl/test_trainer_
 checks it against the single-process update). Metrics are reduced over the ranks as sums of
 numerators and denominators; rank 0 writes them and the checkpoint (which holds every rank's
 RNG states); the held-out set is split over the ranks. Estimators whose advantage normalizes
-over the whole batch (``ppo``: :class:`~tokenmdp.estimators.BatchNormalized`) are rejected
-under data parallel, since each rank would normalize by its own share. FSDP is not used: the
+over the whole batch (``ppo``: :class:`~tokenmdp.estimators.BatchNormalized`) get them from
+every rank's rewards (gathered), so they equal the single-process ones. FSDP is not used: the
 model is a few hundred thousand parameters, which every rank holds whole.
 """
 
@@ -337,7 +337,8 @@ class _Run:
         """Prepare the step (advantages of whole groups; this rank's share), then
         ``minibatches`` optimizer updates. Returns the step's update metrics (over all ranks)."""
         cfg, params = self.cfg, list(self.model.parameters())
-        batch = estimators.prepare(batch, self.est, max_len=cfg.max_new_tokens)
+        batch = estimators.prepare(batch, self.est, max_len=cfg.max_new_tokens,
+                                   advantage_S=self._step_advantages(batch))
         parts = split_minibatches(batch, cfg.minibatches, generator=self.shuffle_gen,
                                   capacity=self.capacity)
         scale = data_parallel_loss_scale()
@@ -388,6 +389,20 @@ class _Run:
                                        op=op, device=self.device)
             out.update(zip(keys, values))
         return out
+
+    def _step_advantages(self, batch: TokenBatch) -> torch.Tensor | None:
+        """With data parallel and a batch-wide advantage (``ppo``'s batch normalization): the
+        advantages of the whole step, from every rank's rewards (gathered in rank order, group
+        ids made distinct), this rank's part. None otherwise (``prepare`` computes them)."""
+        if self.world == 1 or self.est.advantage.group_local:
+            return None
+        rewards = estimators.advantage_rewards(batch, self.est)
+        shares = all_gather_objects((rewards.cpu(), batch.group.cpu()))
+        offsets = np.cumsum([0] + [int(g.max()) + 1 if g.numel() else 0 for _, g in shares])
+        all_rewards = torch.cat([r for r, _ in shares]).to(self.device)
+        all_groups = torch.cat([g + int(o) for (_, g), o in zip(shares, offsets)]).to(self.device)
+        start = sum(len(r) for r, _ in shares[:self.rank])
+        return self.est.advantage(all_rewards, all_groups)[start:start + len(rewards)]
 
     @torch.no_grad()
     def evaluate(self) -> float:
