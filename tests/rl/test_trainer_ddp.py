@@ -88,6 +88,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             assert (run.rank, run.world) == (rank, WORLD_SIZE)
             results[name] = _update(run, _rank_share(batches[name], rank))
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # leave together: gloo aborts a rank whose peer hung up mid-transfer
         dist.destroy_process_group()
     except BaseException:
         with open(f"{out_dir}/error{rank}.txt", "w") as f:

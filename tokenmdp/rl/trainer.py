@@ -454,6 +454,8 @@ def _process_group(cfg: TrainConfig):
         joined = True
     try:
         yield device
+        if joined:  # every rank done before any leaves: gloo aborts a rank whose peer hung up
+            dist.barrier()
     finally:
         if joined:
             dist.destroy_process_group()
