@@ -37,7 +37,9 @@ def document_block_mask(sequence_id_RC: torch.Tensor):
 def _compiled():
     from torch.nn.attention.flex_attention import flex_attention as fa
 
-    return torch.compile(fa, dynamic=False)
+    # default (automatic) dynamic shapes: packed steps change their row count, and a static
+    # compile per shape would hit the recompile limit and fall back to the eager kernel
+    return torch.compile(fa)
 
 
 def flex_attention(q_RhCd: torch.Tensor, k_RhCd: torch.Tensor, v_RhCd: torch.Tensor,
