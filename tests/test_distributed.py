@@ -14,16 +14,12 @@ deadline after which they are terminated and the test fails.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import socket
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from tests._ranks import join_group, leave_group, run_ranks
 from tokenmdp import estimators as est_lib
 from tokenmdp import packing
 from tokenmdp.batch import TokenBatch
@@ -31,7 +27,6 @@ from tokenmdp.distributed import all_reduce_counts, data_parallel_loss_scale, gl
 from tokenmdp.testing import TokenTable
 
 WORLD_SIZE = 2
-COLLECTIVE_TIMEOUT_S = 60      # gloo gives up on a collective after this
 JOIN_TIMEOUT_S = 120           # the parent kills the workers after this
 GRAD_TOL = 1e-10               # float64, only the order of summation differs
 NAIVE_MIN_DIFF = 1e-3          # a different estimator differs by far more than rounding
@@ -97,52 +92,18 @@ def _rank_gradient(rank: int, share: str, mode, variant: str) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD_SIZE,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        grads = {(share, mode.value, variant): _rank_gradient(rank, share, mode, variant)
-                 for share in SHARES for mode in MODES for variant in VARIANTS}
-        torch.save(grads, f"{out_dir}/grads{rank}.pt")
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{out_dir}/error{rank}.txt", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    join_group(rank, port, WORLD_SIZE)
+    grads = {(share, mode.value, variant): _rank_gradient(rank, share, mode, variant)
+             for share in SHARES for mode in MODES for variant in VARIANTS}
+    torch.save(grads, f"{out_dir}/grads{rank}.pt")
+    leave_group()
 
 
 @pytest.fixture(scope="module")
 def rank_gradients(tmp_path_factory):
     """``[rank] -> {(share, mode, variant): gradient}`` from two spawned gloo processes."""
     out = tmp_path_factory.mktemp("ddp")
-    # Fork where available: the workers inherit the imports. DDP's first construction imports
-    # torch._dynamo (~2 s); importing it once here, before forking, saves it in each worker.
-    # The workers run torch on one thread, so no OpenMP pool is used across the fork.
-    with contextlib.suppress(ImportError):
-        import torch._dynamo  # noqa: F401
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, str(out)), daemon=True)
-             for rank in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=JOIN_TIMEOUT_S)
-    for p in procs:
-        p.join(timeout=max((deadline - datetime.datetime.now()).total_seconds(), 0.1))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join(timeout=5)
-    errors = "".join(f.read_text() for f in out.glob("error*.txt"))
-    assert not hung, f"workers still running after {JOIN_TIMEOUT_S} s were killed\n{errors}"
-    assert all(p.exitcode == 0 for p in procs), f"worker failed:\n{errors}"
+    run_ranks(_worker, WORLD_SIZE, out, join_timeout_s=JOIN_TIMEOUT_S)
     return [torch.load(out / f"grads{rank}.pt") for rank in range(WORLD_SIZE)]
 
 

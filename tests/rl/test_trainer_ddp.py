@@ -12,29 +12,22 @@ normalized) update would hide a gradient of the wrong scale, so the raw gradient
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
-import importlib
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests._ranks import join_group, leave_group, run_ranks
 from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
 from tokenmdp.rl import trainer
 from tokenmdp.rl.config import TrainConfig, check_config
 
 WORLD_SIZE = 2
-COLLECTIVE_TIMEOUT_S = 60
 JOIN_TIMEOUT_S = 180
 TORCHRUN_TIMEOUT_S = 240
 TOL = 1e-10           # float64; only the order of summation differs
@@ -76,30 +69,15 @@ def _rank_share(batch, rank: int):
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD_SIZE,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        batches = torch.load(f"{out_dir}/batches.pt", weights_only=False)
-        results = {}
-        for name in ESTIMATORS:
-            run = trainer._Run(_cfg(name))
-            assert (run.rank, run.world) == (rank, WORLD_SIZE)
-            results[name] = _update(run, _rank_share(batches[name], rank))
-        torch.save(results, f"{out_dir}/rank{rank}.pt")
-        dist.barrier()  # leave together: gloo aborts a rank whose peer hung up mid-transfer
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{out_dir}/error{rank}.txt", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    join_group(rank, port, WORLD_SIZE)
+    batches = torch.load(f"{out_dir}/batches.pt", weights_only=False)
+    results = {}
+    for name in ESTIMATORS:
+        run = trainer._Run(_cfg(name))
+        assert (run.rank, run.world) == (rank, WORLD_SIZE)
+        results[name] = _update(run, _rank_share(batches[name], rank))
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    leave_group()
 
 
 @pytest.fixture(scope="module")
@@ -109,24 +87,7 @@ def updates(tmp_path_factory):
     batches = _step_batches()
     torch.save(batches, out / "batches.pt")
     single = {name: _update(trainer._Run(_cfg(name)), batches[name]) for name in ESTIMATORS}
-    with contextlib.suppress(ImportError):  # imported once before forking (see test_distributed)
-        importlib.import_module("torch._dynamo")
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, str(out)), daemon=True)
-             for rank in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=JOIN_TIMEOUT_S)
-    for p in procs:
-        p.join(timeout=max((deadline - datetime.datetime.now()).total_seconds(), 0.1))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join(timeout=5)
-    errors = "".join(f.read_text() for f in out.glob("error*.txt"))
-    assert not hung, f"workers still running after {JOIN_TIMEOUT_S} s were killed\n{errors}"
-    assert all(p.exitcode == 0 for p in procs), f"worker failed:\n{errors}"
+    run_ranks(_worker, WORLD_SIZE, out, join_timeout_s=JOIN_TIMEOUT_S)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
     return single, ranks, batches
 
