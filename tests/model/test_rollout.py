@@ -15,6 +15,7 @@ from tokenmdp.rl import (
     RoutingReplay,
     compute_old_logprobs,
     replay_routing,
+    routing_mismatch_counts,
     routing_mismatch_rate,
     simulate_fp8,
     training_inference_kl,
@@ -161,3 +162,14 @@ def test_dense_model_has_empty_traces_and_samples():
     assert batch.token_extras[ENGINE_ROUTING].shape[2] == 0
     step = compute_old_logprobs(model, batch, "r3")
     assert training_inference_kl(step) >= 0
+
+
+def test_routing_mismatch_counts_compare_expert_sets_where_both_recorded():
+    # [R=1, C=4, L=1, K=2]: same set in another order | different sets | unrecorded in a (-1) |
+    # different sets. Compared: 3 pairs; differing: 2.
+    a = torch.tensor([[[[0, 1]], [[0, 2]], [[-1, -1]], [[3, 1]]]])
+    b = torch.tensor([[[[1, 0]], [[0, 1]], [[2, 3]], [[2, 0]]]])
+    assert routing_mismatch_counts(a, b) == (2, 3)
+    assert routing_mismatch_rate(a, b) == pytest.approx(2 / 3)
+    assert routing_mismatch_counts(a[:, 2:3], b[:, 2:3]) == (0, 0)
+    assert routing_mismatch_rate(a[:, 2:3], b[:, 2:3]) == 0.0

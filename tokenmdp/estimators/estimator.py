@@ -221,11 +221,12 @@ def _metrics(logprobs_RC, batch, terms, keep_RC, k_RC) -> dict[str, torch.Tensor
     out["masked_fraction"] = zero if keep_RC is None else (mask & ~keep_RC).sum() / denominator
     # Off the loss tokens, ratios are filled with the value at the first loss token (one of the
     # values over the loss tokens), so one aminmax gives their min and max.
-    off = ~mask
-    first = mask.reshape(-1).to(torch.uint8).argmax()
-    for key, ref in (("r", batch.old_logprob), ("rho", batch.behavior_logprob)):
-        if ref is None:
-            continue
+    ratios = [(key, ref) for key, ref in (("r", batch.old_logprob), ("rho", batch.behavior_logprob))
+              if ref is not None]
+    if ratios:
+        off = ~mask
+        first = mask.reshape(-1).to(torch.uint8).argmax()
+    for key, ref in ratios:
         if key == "r" and terms.ratio_RC is not None:
             ratio = terms.ratio_RC.clone()  # the surrogate's capped r
         else:

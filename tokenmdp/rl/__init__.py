@@ -18,11 +18,13 @@ from tokenmdp.rl.rollout import (
     RoutingReplay,
     compute_old_logprobs,
     replay_routing,
+    routing_mismatch_counts,
     routing_mismatch_rate,
     simulate_fp8,
     training_inference_kl,
 )
 
 __all__ = ["ENGINE_ROUTING", "OLD_ROUTING", "PRECISIONS", "RolloutEngine", "RoutingReplay",
-           "compute_old_logprobs", "replay_routing", "routing_mismatch_rate", "simulate_fp8",
+           "compute_old_logprobs", "replay_routing", "routing_mismatch_counts",
+           "routing_mismatch_rate", "simulate_fp8",
            "training_inference_kl"]

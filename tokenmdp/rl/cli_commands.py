@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 from tokenmdp.rl.config import TrainConfig, field_docs
 
-__all__ = ["add_config_arguments", "add_plot_command", "add_trainer_commands", "config_from_args"]
+__all__ = ["add_config_arguments", "add_plot_command", "add_trainer_commands", "config_from_args",
+           "run_and_report"]
 
 _TYPES = {"int": int, "float": float, "str": str, "float | None": float, "str | None": str}
 
@@ -48,16 +50,20 @@ def config_from_args(args: argparse.Namespace, mode: str) -> TrainConfig:
     return TrainConfig(**{**values, "mode": mode})
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_and_report(cfg: TrainConfig) -> int:
+    """Run ``cfg`` and print a one-line summary (on rank 0 only, under ``torchrun``); 0."""
     from tokenmdp.rl.trainer import train
 
-    cfg = config_from_args(args, args.trainer_mode)
     rows = train(cfg)
-    if rows:
+    if rows and int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
         last = rows[-1]
         shown = {k: last[k] for k in ("step", "reward", "loss", "eval_accuracy") if k in last}
         print(f"{cfg.mode}: {len(rows)} steps, last {shown}; wrote {cfg.out_dir}")
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run_and_report(config_from_args(args, args.trainer_mode))
 
 
 def add_trainer_commands(sub: argparse._SubParsersAction) -> None:

@@ -34,8 +34,8 @@ from tokenmdp.batch import TokenBatch
 from tokenmdp.model import KVCache, MoETransformer
 
 __all__ = ["ENGINE_ROUTING", "OLD_ROUTING", "PRECISIONS", "RolloutEngine", "RoutingReplay",
-           "compute_old_logprobs", "replay_routing", "routing_mismatch_rate", "simulate_fp8",
-           "training_inference_kl"]
+           "compute_old_logprobs", "replay_routing", "routing_mismatch_counts",
+           "routing_mismatch_rate", "simulate_fp8", "training_inference_kl"]
 
 ENGINE_ROUTING = "engine_routing"
 """``token_extras`` key of the rollout engine's routing ``[R, C, L, K]`` (``-1``: not routed)."""
@@ -292,13 +292,20 @@ def training_inference_kl(batch: TokenBatch, *, kind: str = "k3") -> float:
     return float(terms.mean()) if terms.numel() else 0.0
 
 
-def routing_mismatch_rate(experts_a: torch.Tensor, experts_b: torch.Tensor) -> float:
-    """Fraction of (token, layer) pairs, among those recorded in both (``>= 0``), whose *sets* of
-    experts differ. Both ``[R, C, L, K]`` on the same layout."""
+def routing_mismatch_counts(experts_a: torch.Tensor, experts_b: torch.Tensor) -> tuple[int, int]:
+    """``(differing, compared)``: the (token, layer) pairs recorded in both (``>= 0``), and those
+    of them whose *sets* of experts differ. Both ``[R, C, L, K]`` on the same layout. Counts, so
+    that they can be summed over batches or ranks before dividing."""
     if experts_a.shape != experts_b.shape:
         raise ValueError(f"experts_b: shape {tuple(experts_b.shape)} differs from experts_a's "
                          f"{tuple(experts_a.shape)}")
     both_RCL = (experts_a >= 0).all(-1) & (experts_b >= 0).all(-1)
     differ_RCL = (experts_a.sort(-1).values != experts_b.sort(-1).values).any(-1)
-    n = int(both_RCL.sum())
-    return float((differ_RCL & both_RCL).sum()) / n if n else 0.0
+    return int((differ_RCL & both_RCL).sum()), int(both_RCL.sum())
+
+
+def routing_mismatch_rate(experts_a: torch.Tensor, experts_b: torch.Tensor) -> float:
+    """Fraction of (token, layer) pairs, among those recorded in both (``>= 0``), whose *sets* of
+    experts differ (:func:`routing_mismatch_counts`); 0 when none is recorded in both."""
+    differing, compared = routing_mismatch_counts(experts_a, experts_b)
+    return differing / compared if compared else 0.0

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -79,7 +78,7 @@ from tokenmdp.distributed import (
 from tokenmdp.estimators import Aggregation, Estimator, KLPenalty, Reinforce, RewardAsAdvantage
 from tokenmdp.model import ModelConfig, MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
-from tokenmdp.rl.cli_commands import add_config_arguments, config_from_args
+from tokenmdp.rl.cli_commands import add_config_arguments, config_from_args, run_and_report
 from tokenmdp.rl.config import DTYPES, TrainConfig, check_config
 from tokenmdp.rl.logger import RunLogger
 from tokenmdp.rl.rollout import (
@@ -89,7 +88,7 @@ from tokenmdp.rl.rollout import (
     RoutingReplay,
     compute_old_logprobs,
     replay_routing,
-    routing_mismatch_rate,
+    routing_mismatch_counts,
     training_inference_kl,
 )
 from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
@@ -296,10 +295,8 @@ class _Run:
             ent_RC = -torch.where(lp_RCV > -math.inf, lp_RCV.exp() * lp_RCV, 0.0).sum(-1)
         mask = batch.loss_mask
         tokens = float(mask.sum())
-        engine_RCLK = batch.token_extras[ENGINE_ROUTING]
-        old_RCLK = batch.token_extras[OLD_ROUTING]
-        both = (engine_RCLK >= 0).all(-1) & (old_RCLK >= 0).all(-1)
-        mismatch = routing_mismatch_rate(engine_RCLK, old_RCLK) * float(both.sum())
+        mismatch, routed = routing_mismatch_counts(batch.token_extras[ENGINE_ROUTING],
+                                                   batch.token_extras[OLD_ROUTING])
         reward = reward_S.double()
         # sums over this rank, reduced over the ranks, then divided: step-wide ratios
         sums = dict(seqs=len(responses), reward=float(reward.sum()),
@@ -308,7 +305,7 @@ class _Run:
                     entropy=float(ent_RC[mask].double().sum()),
                     kl_k1=training_inference_kl(batch, kind="k1") * tokens,
                     kl_k3=training_inference_kl(batch, kind="k3") * tokens,
-                    mismatch=mismatch, routed=float(both.sum()))
+                    mismatch=mismatch, routed=routed)
         g = dict(zip(sums, all_reduce_floats(list(sums.values()), device=self.device)))
         n, t = g["seqs"], max(g["tokens"], 1.0)
         mean_reward = g["reward"] / n
@@ -529,15 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        rows = train(config_from_args(args, args.mode))
+        return run_and_report(config_from_args(args, args.mode))
     except (ValueError, NonFiniteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1 if isinstance(err, NonFiniteError) else 2
-    if rows and int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
-        print(json.dumps({k: rows[-1][k] for k in ("step", "reward", "loss", "eval_accuracy")
-                          if k in rows[-1]}))
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
