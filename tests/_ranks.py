@@ -24,6 +24,7 @@ COLLECTIVE_TIMEOUT_S = 60  # gloo gives up on a collective after this
 
 
 def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (for the gloo rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
