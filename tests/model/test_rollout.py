@@ -1,6 +1,7 @@
 """The rollout engine (KV cache, stopping, its own numerics) and routing replay R2 / R3."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -113,6 +114,40 @@ def test_r2_on_the_first_mini_batch_is_a_no_op(model32):
     assert torch.equal(trace.experts[real], packed.token_extras[OLD_ROUTING][real])
     torch.testing.assert_close(packed.sequence_sum(lp_p.detach()), step.sequence_sum(step.old_logprob),
                                rtol=0, atol=KV_CACHE_ATOL)
+
+
+#: float64 entropy from one pass vs from the full next-token distributions (summation order).
+ENTROPY_ATOL = 1e-12
+
+
+@pytest.mark.parametrize("replay", ["none", "r3"])
+def test_old_logprob_pass_returns_the_entropy_of_pi_old_from_the_same_forward(model64, replay):
+    batch = _generate(RolloutEngine(model64), dtype=torch.float64)
+    step = compute_old_logprobs(model64, batch, replay)
+    fused, ent_RC = compute_old_logprobs(model64, batch, replay, entropy=True)
+    assert torch.equal(fused.old_logprob, step.old_logprob)
+    assert torch.equal(fused.token_extras[OLD_ROUTING], step.token_extras[OLD_ROUTING])
+    # independently: H = -sum_v p log p over the [R, C, V] distributions, token by token
+    lp_RCV = model64.next_token_logprobs(batch, routing=replay_routing(batch, replay)).detach()
+    expected = [-(lp.exp() * lp).sum() if bool(batch.response_mask[r, c]) else lp.new_zeros(())
+                for (r, c), lp in zip(torch.cartesian_prod(torch.arange(lp_RCV.shape[0]),
+                                                           torch.arange(lp_RCV.shape[1])).tolist(),
+                                      lp_RCV.reshape(-1, lp_RCV.shape[-1]))]
+    torch.testing.assert_close(ent_RC, torch.stack(expected).reshape(ent_RC.shape), rtol=0,
+                               atol=ENTROPY_ATOL)
+    assert ent_RC.dtype == torch.float64 and not ent_RC.requires_grad
+
+
+def test_entropy_of_a_uniform_policy_is_log_v(model64):
+    with torch.no_grad():
+        model64.lm_head.zero_()  # every next-token distribution is uniform
+    batch = _generate(RolloutEngine(model64), dtype=torch.float64)
+    _, ent_RC = compute_old_logprobs(model64, batch, "none", entropy=True)
+    uniform = torch.full_like(ent_RC, math.log(TINY.vocab_size))
+    torch.testing.assert_close(ent_RC, torch.where(batch.response_mask, uniform, 0.0), rtol=0,
+                               atol=ENTROPY_ATOL)
+    with pytest.raises(TypeError, match="entropy"):
+        compute_old_logprobs(model64, batch, "none", entropy=1)
 
 
 def test_replay_routing_picks_the_record_of_each_mode(model32):

@@ -9,7 +9,9 @@ The policy protocol (:mod:`tokenmdp.exact.policies`):
 * ``token_logprobs(batch) -> [R, C]``: ``log pi(y_t | x, y_<t)`` of each response token, 0 on
   prompt tokens and padding; the token at column ``c`` is predicted by the output at ``c - 1``;
 * ``next_token_logprobs(batch) -> [R, C, V]``: the full distribution each response token was
-  drawn from, 0 elsewhere.
+  drawn from, 0 elsewhere;
+* ``token_logprobs_and_entropy(batch)``: the log-probs, their entropy ``[R, C]`` and the routing
+  from one forward pass (the trainer's ``old_logprob`` pass).
 
 Routing: ``token_logprobs(batch, routing=trace, record_routing=True)`` replays a
 :class:`RoutingTrace` (expert ids ``[R, C, layers, K]``, ``-1`` where a token has no record) and
@@ -311,6 +313,23 @@ class MoETransformer(nn.Module):
         lp_RCV, out = self._predicting_logprobs(batch, routing)
         lp_RC = lp_RCV.gather(-1, batch.tokens[..., None]).squeeze(-1) * batch.response_mask
         return (lp_RC, RoutingTrace(out.experts_RCLK)) if record_routing else lp_RC
+
+    def token_logprobs_and_entropy(self, batch: TokenBatch,
+                                   routing: RoutingTrace | torch.Tensor | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor, RoutingTrace]:
+        """One forward pass for ``token_logprobs(..., record_routing=True)`` and the entropy
+        ``H_t = -sum_v pi(v | x, y_<t) log pi(v | x, y_<t)`` of the distribution each response
+        token was drawn from (``[R, C]``, 0 elsewhere; terms with ``pi(v) = 0`` count 0).
+
+        Returns
+        -------
+        (logprob_RC, entropy_RC, RoutingTrace)
+        """
+        lp_RCV, out = self._predicting_logprobs(batch, routing)
+        lp_RC = lp_RCV.gather(-1, batch.tokens[..., None]).squeeze(-1) * batch.response_mask
+        plogp_RCV = torch.where(lp_RCV > -torch.inf, lp_RCV.exp() * lp_RCV, 0.0)
+        entropy_RC = -plogp_RCV.sum(-1) * batch.response_mask
+        return lp_RC, entropy_RC, RoutingTrace(out.experts_RCLK)
 
     def next_token_logprobs(self, batch: TokenBatch,
                             routing: RoutingTrace | torch.Tensor | None = None) -> torch.Tensor:

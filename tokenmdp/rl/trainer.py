@@ -284,15 +284,12 @@ class _Run:
                                 dtype=self.dtype, device=batch.device)
         correct = [self.task.is_correct(ex, r) for ex, r in zip(repeated, responses)]
         batch = pack_first_fit_decreasing(batch.replace(reward=reward_S), self.capacity)
-        batch = compute_old_logprobs(self.model, batch, self.replay)
+        # log π_old, the routing used and π_old's entropy at the sampled states: one pass
+        batch, ent_RC = compute_old_logprobs(self.model, batch, self.replay, entropy=True)
         if self.est.kl is not None:
             with torch.no_grad():
                 ref_RC = self.reference.token_logprobs(batch)
             batch = batch.replace(ref_logprob=ref_RC.to(self.dtype))
-        with torch.no_grad():  # entropy of π_old at the sampled states
-            lp_RCV = self.model.next_token_logprobs(
-                batch, routing=replay_routing(batch, self.replay))
-            ent_RC = -torch.where(lp_RCV > -math.inf, lp_RCV.exp() * lp_RCV, 0.0).sum(-1)
         mask = batch.loss_mask
         tokens = float(mask.sum())
         mismatch, routed = routing_mismatch_counts(batch.token_extras[ENGINE_ROUTING],
