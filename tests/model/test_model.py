@@ -145,8 +145,29 @@ def test_bad_tokens_and_traces_raise_naming_the_argument(model64):
     batch = _batch()
     with pytest.raises(ValueError, match="routing"):
         model64.token_logprobs(batch, routing=torch.zeros(*batch.tokens.shape, 1, 2, dtype=torch.long))
+    shape = (*batch.tokens.shape, TINY.routed_layers, TINY.top_k)
     with pytest.raises(ValueError, match="routing"):
-        model64.token_logprobs(batch, routing=torch.full((*batch.tokens.shape, 2, 2), TINY.n_experts))
+        model64.token_logprobs(batch, routing=torch.full(shape, TINY.n_experts))
+    _, own = model64.token_logprobs(batch, record_routing=True)
+    valid = batch.sequence_id >= 0
+    for mend, why in ((lambda e: e.fill_(-2), "below -1"),
+                      (lambda e: e[..., 1].copy_(e[..., 0]), "an expert twice"),
+                      (lambda e: e[..., 0].fill_(-1), "a partial record")):
+        experts = own.experts.clone()
+        mended = experts[valid].clone()
+        mend(mended)
+        experts[valid] = mended
+        with pytest.raises(ValueError, match="distinct expert ids"):
+            model64.token_logprobs(batch, routing=experts)
+    # a float or unsigned trace would be truncated or could not hold -1: rejected, not coerced
+    with pytest.raises(TypeError, match="signed integer"):
+        model64.token_logprobs(batch, routing=own.experts.double() + 0.7)
+    with pytest.raises(TypeError, match="signed integer"):
+        RoutingTrace(own.experts.clamp(min=0).to(torch.uint8))
+    # padding's record is ignored (packing fills it with 0, a repeated id)
+    padded = torch.where(valid[..., None, None], own.experts, 0)
+    torch.testing.assert_close(model64.token_logprobs(batch, routing=padded),
+                               model64.token_logprobs(batch), rtol=0, atol=0)
 
 
 def test_exact_gradient_equals_reinforce_loss_gradient_on_full_enumeration():
@@ -218,3 +239,18 @@ def test_token_dropping_capacity_is_the_counter_example_to_layout_invariance():
     assert not report.ok
     dropless = make_model(dtype=torch.float64)
     assert check_layout_invariance(loss_fn, _batch(), layouts, model=dropless).ok
+
+
+#: float32 normalization error of a log-softmax over a tiny vocabulary.
+NORMALIZATION_ATOL = 1e-5
+
+
+def test_half_precision_models_normalize_their_logits_in_float32():
+    batch = _batch(torch.float32)
+    for dtype in (torch.bfloat16, torch.float16):
+        model = make_model(dtype=dtype)
+        lp_RCV = model.next_token_logprobs(batch).detach()
+        assert lp_RCV.dtype == torch.float32 and model.token_logprobs(batch).dtype == torch.float32
+        # each response token's distribution sums to 1 to float32 accuracy (bf16 would be ~1e-2)
+        total = torch.logsumexp(lp_RCV[batch.response_mask], dim=-1)
+        torch.testing.assert_close(total, torch.zeros_like(total), rtol=0, atol=NORMALIZATION_ATOL)

@@ -39,6 +39,9 @@ from tokenmdp.model.moe import DenseMLP, MoE, _normal
 __all__ = ["MoETransformer", "RoutingTrace", "KVCache", "ModelOutput", "sequence_attention_mask"]
 
 
+SIGNED_INTS = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
 @dataclasses.dataclass(frozen=True)
 class RoutingTrace:
     """Expert ids used by every token in every routed layer.
@@ -56,9 +59,9 @@ class RoutingTrace:
         if not isinstance(self.experts, torch.Tensor) or self.experts.dim() != 4:
             raise TypeError("experts: expected a LongTensor [R, C, L, K], got "
                             f"{getattr(self.experts, 'shape', type(self.experts).__name__)}")
-        if self.experts.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8,
-                                      torch.int8):
-            raise TypeError(f"experts: expected an integer tensor, got {self.experts.dtype}")
+        if self.experts.dtype not in SIGNED_INTS:
+            raise TypeError(f"experts: expected a signed integer tensor (-1 marks no record), "
+                            f"got {self.experts.dtype}")
 
     @property
     def recorded(self) -> torch.Tensor:
@@ -234,10 +237,9 @@ class MoETransformer(nn.Module):
 
         ``mask_R1CT`` says which keys each query sees (``T = C`` without a cache, the cache
         capacity with one); ``routing_RCLK`` replays experts where its entries are ``>= 0``.
+        Nothing is validated here (no host sync per decoding step): callers check their inputs.
         """
         cfg = self.config
-        if tokens_RC.numel() and int(tokens_RC.max()) >= cfg.vocab_size:
-            raise ValueError(f"tokens: ids must be < vocab_size={cfg.vocab_size}")
         x = self.embed[tokens_RC]                                              # (R, C, D)
         cos, sin = rope_tables(position_RC, cfg.head_size, cfg.rope_base, x.dtype)
         experts, aux = [], x.new_zeros((), dtype=torch.float32)
@@ -267,8 +269,11 @@ class MoETransformer(nn.Module):
             if not isinstance(routing_RCLK, torch.Tensor) or tuple(routing_RCLK.shape) != expected:
                 raise ValueError(f"routing: expected experts of shape {expected}, got "
                                  f"{getattr(routing_RCLK, 'shape', type(routing_RCLK).__name__)}")
-            if routing_RCLK.numel() and int(routing_RCLK.max()) >= self.config.n_experts:
-                raise ValueError(f"routing: expert ids must be < n_experts={self.config.n_experts}")
+            if routing_RCLK.dtype not in SIGNED_INTS:
+                raise TypeError(f"routing: expected signed integer expert ids (-1 marks no "
+                                f"record), got {routing_RCLK.dtype}")
+        if batch.tokens.numel() and int(batch.tokens.max()) >= self.config.vocab_size:
+            raise ValueError(f"batch: token ids must be < vocab_size={self.config.vocab_size}")
         valid_RC = batch.sequence_id >= 0
         backend = self.config.attention
         if backend == "flex" or (backend == "auto" and batch.tokens.is_cuda):
@@ -278,17 +283,36 @@ class MoETransformer(nn.Module):
             mask = sequence_attention_mask(batch.sequence_id)
         if routing_RCLK is not None:  # packing fills padding with 0: padding is never replayed
             routing_RCLK = torch.where(valid_RC[:, :, None, None], routing_RCLK.long(), -1)
+            self._check_routing(routing_RCLK)
         out = self.forward_tokens(batch.tokens, batch.position, mask, valid_RC,
                                   routing_RCLK=routing_RCLK)
         experts = torch.where(valid_RC[:, :, None, None], out.experts_RCLK, -1)
         return dataclasses.replace(out, experts_RCLK=experts)
 
+    def _check_routing(self, routing_RCLK: torch.Tensor) -> None:
+        """Every (token, layer) record is ``K`` distinct ids in ``[0, E)`` or all ``-1``."""
+        if not routing_RCLK.numel():
+            return
+        ids = routing_RCLK.sort(-1).values
+        recorded = ids >= 0
+        bad = (ids < -1) | (ids >= self.config.n_experts) | (recorded.any(-1, keepdim=True)
+                                                             & ~recorded)
+        bad[..., 1:] |= (ids[..., 1:] == ids[..., :-1]) & recorded[..., 1:]
+        if bool(bad.any()):  # one host sync for all the checks
+            raise ValueError(f"routing: every (token, layer) record must hold top_k="
+                             f"{self.config.top_k} distinct expert ids in [0, n_experts="
+                             f"{self.config.n_experts}) or be all -1 (no record)")
+
     # ------------------------------------------------------------------ policy protocol
     def _predicting_logprobs(self, batch: TokenBatch, routing) -> tuple[torch.Tensor, ModelOutput]:
         """``log pi(. | prefix)`` ``[R, C, V]`` for the token *at* each column (shifted by one),
-        0 at sequence starts and padding."""
+        0 at sequence starts and padding. Half-precision logits are normalized in float32 (and
+        the log-probs returned in float32), as the rollout engine does."""
         out = self.forward(batch, routing=routing)
-        lp_RCV = torch.log_softmax(out.logits_RCV, dim=-1)
+        logits_RCV = out.logits_RCV
+        if logits_RCV.dtype in (torch.bfloat16, torch.float16):
+            logits_RCV = logits_RCV.float()
+        lp_RCV = torch.log_softmax(logits_RCV, dim=-1)
         shifted = torch.zeros_like(lp_RCV)
         shifted[:, 1:] = lp_RCV[:, :-1]
         has_prefix_RC = (batch.sequence_id >= 0) & (batch.position > 0)

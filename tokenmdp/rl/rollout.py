@@ -77,7 +77,7 @@ class RolloutEngine:
         top-K *selection* only (gates unchanged): an engine that differs only in which experts it
         picks. 0 disables it.
     generator : torch.Generator, optional
-        Source of the selection bias (required when ``selection_noise > 0``).
+        Source of the selection bias (required when ``selection_noise > 0``; any device).
     device : optional
         Device of the engine (default: the model's).
     """
@@ -104,7 +104,8 @@ class RolloutEngine:
             for block in self.model.blocks:
                 if hasattr(block.mlp, "selection_bias"):
                     bias = torch.randn(block.mlp.selection_bias.shape, generator=generator,
-                                       dtype=torch.float64) * selection_noise
+                                       dtype=torch.float64, device=generator.device) \
+                        * selection_noise
                     block.mlp.selection_bias.copy_(bias.to(self.dtype))
         self.sync(model)
 
@@ -182,10 +183,12 @@ class RolloutEngine:
         for step in range(max_new_tokens):
             lp_BV = torch.log_softmax(next_logits_BV.float() / temperature, dim=-1)
             y_B = torch.multinomial(lp_BV.exp(), 1, generator=generator).squeeze(1)
+            # written with torch.where, not boolean indexing: no host sync per decoding step
             active_B = ~done_B
             at_B = length_B.clamp(max=T - 1)
-            tokens_BT[rows_B[active_B], at_B[active_B]] = y_B[active_B]
-            logp_BT[rows_B[active_B], at_B[active_B]] = lp_BV.gather(1, y_B[:, None])[active_B, 0]
+            tokens_BT[rows_B, at_B] = torch.where(active_B, y_B, tokens_BT[rows_B, at_B])
+            logp_BT[rows_B, at_B] = torch.where(active_B, lp_BV.gather(1, y_B[:, None])[:, 0],
+                                                logp_BT[rows_B, at_B])
             length_B = length_B + active_B.long()
             done_B = done_B | (active_B & (y_B == eos_id))
             if bool(done_B.all()) or step == max_new_tokens - 1:
@@ -207,7 +210,8 @@ class RolloutEngine:
                 experts_BLK, next_logits_BV = (out.experts_RCLK[rows_B, col_B],
                                                out.logits_RCV[rows_B, col_B])
             fed_B = ~done_B
-            routing_BTLK[rows_B[fed_B], col_B[fed_B]] = experts_BLK[fed_B]
+            routing_BTLK[rows_B, col_B] = torch.where(fed_B[:, None, None], experts_BLK,
+                                                      routing_BTLK[rows_B, col_B])
         return self._to_batch(tokens_BT, plen_B, length_B, logp_BT, routing_BTLK, groups,
                               prompt_index, dtype)
 
@@ -247,6 +251,9 @@ class RolloutEngine:
             raise ValueError(f"eos_id: must be < vocab_size={V}, got {eos_id}")
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
+        if generator.device.type != self.device.type:
+            raise ValueError(f"generator: lives on {generator.device.type} but the engine samples "
+                             f"on {self.device}; pass torch.Generator(device={str(self.device)!r})")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or not temperature > 0:
             raise ValueError(f"temperature: expected a number > 0, got {temperature!r}")
