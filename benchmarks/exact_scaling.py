@@ -5,7 +5,7 @@ with a straightforward per-sequence Python loop (sum the token log-probs of each
 by its probability and reward, backpropagate) on the sizes where the loop finishes in time.
 
 Each size runs in a fresh subprocess so that its peak resident memory is its own.
-Usage: ``python benchmarks/exact_scaling.py [--loop-budget SECONDS]``.
+Usage: ``python benchmarks/exact_scaling.py [--loop-max-sequences N] [--lengths 3 4 5 6]``.
 """
 
 from __future__ import annotations
@@ -67,21 +67,23 @@ def run_one(max_len: int, with_loop: bool) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--loop", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--loop-max-sequences", type=int, default=12_000,
                         help="run the Python-loop baseline up to this many sequences")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
-    args = parser.parse_args()
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
+                        help="maximum response lengths L to time (10^L sequences and fewer)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.one is not None:
         print(json.dumps(run_one(args.one, args.loop)))
         return
     print(f"{'sequences':>10} {'states':>9} {'build s':>8} {'J+∇J s':>8} {'peak MB':>8} "
           f"{'loop s':>8} {'speed-up':>9} {'max|Δ|':>9}")
-    for L in LENGTHS:
+    for L in args.lengths:
         n = sum((VOCAB - 1) ** k for k in range(L + 1))
         cmd = [sys.executable, __file__, "--one", str(L), "--threads", str(args.threads)]
         if n <= args.loop_max_sequences:

@@ -32,10 +32,10 @@ stage() {  # stage NAME LIMIT_S COMMAND...
     echo "== $name: exit $rc after $((SECONDS - start)) s"
     [ "$rc" -eq 0 ] || status=1
 }
-stage checks 150 "$PY" benchmarks/gpu_checks.py
-stage model_sdpa 120 "$PY" benchmarks/model.py --device cuda --dtype bfloat16 --attention sdpa \
+stage checks 200 "$PY" benchmarks/gpu_checks.py
+stage model_sdpa 100 "$PY" benchmarks/model.py --device cuda --dtype bfloat16 --attention sdpa \
     --size gpu --sequences 512 --repeats 5
-stage model_flex 180 "$PY" benchmarks/model.py --device cuda --dtype bfloat16 --attention flex \
+stage model_flex 160 "$PY" benchmarks/model.py --device cuda --dtype bfloat16 --attention flex \
     --size gpu --sequences 512 --repeats 5
 echo "gpu.sh: done in $SECONDS s, exit $status"
 exit $status

@@ -1,16 +1,21 @@
 """Correctness checks that need a CUDA device (run by ``benchmarks/gpu.sh``; CI has no GPU).
 
 1. The document-masked FlexAttention path equals ``scaled_dot_product_attention`` with the
-   boolean mask: same weights, a packed batch with several sequences per row, token log-probs
-   and parameter gradients in float32 (tight) and bfloat16 (loose: bf16 rounds to 3 digits).
+   boolean mask: same weights and same experts (the flex pass replays the SDPA pass's routing),
+   a packed batch with several sequences per row, token log-probs and parameter gradients in
+   float32 (tight) and bfloat16 (loose: bf16 rounds to 3 digits).
 2. The rollout engine's KV-cache log-probs equal a full recompute on the GPU (float32).
-3. R3 on the GPU: replaying the engine's routing makes the routing mismatch 0.
-4. The trainer runs on CUDA: a few RL steps with a bf16 engine, R3 and two mini-batches give
+3. R3 on the GPU: a bf16 engine's routing differs from the fp32 trainer's; replaying it makes
+   the routing mismatch 0 and lowers the training-inference KL.
+4. Generators: CUDA generators are accepted for weights and selection noise; a CPU one for
+   sampling on a CUDA engine is a clear ``ValueError``.
+5. The trainer runs on CUDA: a few RL steps with a bf16 engine, R3 and two mini-batches give
    finite metrics (and tokens/s).
 
 Each check prints PASS or FAIL with its measured figure; the exit status is 1 if any failed.
 
-Usage: ``python benchmarks/gpu_checks.py [--out DIR]`` (on a machine with CUDA).
+Usage: ``python benchmarks/gpu_checks.py`` on a machine with CUDA; ``--device cpu`` runs the same
+code on the CPU as a smoke test (the test suite does, so the script cannot rot unseen).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from tokenmdp.rl import (
     RolloutEngine,
     compute_old_logprobs,
     routing_mismatch_rate,
+    training_inference_kl,
 )
 from tokenmdp.rl.config import TrainConfig
 from tokenmdp.rl.trainer import train
@@ -57,24 +63,38 @@ def _batch(device) -> TokenBatch:
 
 
 def check_flex_equals_sdpa(device) -> tuple[bool, str]:
+    """Same weights, same experts (the flex pass replays the SDPA pass's routing, so a bf16
+    rounding difference cannot flip an expert and cascade): log-probs and, where flex has a
+    backward (CUDA), parameter gradients."""
     batch = _batch(device)
+    backward = device.type == "cuda"
     notes, ok = [], True
     for dtype in (torch.float32, torch.bfloat16):
-        grads, logprobs = {}, {}
+        grads, logprobs, trace = {}, {}, None
         for attention in ("sdpa", "flex"):
             model = MoETransformer(dataclasses.replace(CONFIG, attention=attention),
                                    generator=torch.Generator().manual_seed(1), device=device,
                                    dtype=dtype)
-            lp = model.token_logprobs(batch)
-            (-(lp.float() * batch.loss_mask).sum()).backward()
+            with torch.set_grad_enabled(backward):
+                lp, used = model.token_logprobs(batch, routing=trace, record_routing=True)
+            trace = used if trace is None else trace
             logprobs[attention] = lp.detach().float()
-            grads[attention] = torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
+            if backward:
+                (-(lp.float() * batch.loss_mask).sum()).backward()
+                grads[attention] = torch.cat([p.grad.float().reshape(-1)
+                                              for p in model.parameters()])
         d_lp = float((logprobs["flex"] - logprobs["sdpa"]).abs().max())
-        d_grad = float((grads["flex"] - grads["sdpa"]).abs().max() / grads["sdpa"].abs().max())
-        ok &= d_lp <= FLEX_TOL[dtype] and d_grad <= GRAD_RTOL[dtype]
-        notes.append(f"{str(dtype).removeprefix('torch.')}: max |Δ logprob| {d_lp:.2e} "
-                     f"(tol {FLEX_TOL[dtype]:g}), grad rel {d_grad:.2e} (tol {GRAD_RTOL[dtype]:g})")
-    return ok, "; ".join(notes)
+        note = (f"{str(dtype).removeprefix('torch.')}: max |Δ logprob| {d_lp:.2e} "
+                f"(tol {FLEX_TOL[dtype]:g})")
+        ok &= d_lp <= FLEX_TOL[dtype]
+        if backward:
+            d_grad = float((grads["flex"] - grads["sdpa"]).abs().max()
+                           / grads["sdpa"].abs().max())
+            ok &= d_grad <= GRAD_RTOL[dtype]
+            note += f", grad rel {d_grad:.2e} (tol {GRAD_RTOL[dtype]:g})"
+        notes.append(note)
+    return ok, "; ".join(notes) + ("" if backward else " (forward only: no flex backward on "
+                                                       "the CPU)")
 
 
 def check_kv_cache(device) -> tuple[bool, str]:
@@ -82,7 +102,9 @@ def check_kv_cache(device) -> tuple[bool, str]:
                            generator=torch.Generator().manual_seed(2), device=device)
     engine = RolloutEngine(model)
     gen = torch.Generator().manual_seed(3)
-    prompts = torch.randint(0, CONFIG.vocab_size - 1, (32, 12), generator=gen).tolist()
+    # ragged prompts (1 to 16 tokens): the prefill masks padding columns
+    prompts = [torch.randint(0, CONFIG.vocab_size - 1, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 17, (32,), generator=gen)]
     batch = engine.generate(prompts, max_new_tokens=64, eos_id=CONFIG.vocab_size - 1,
                             generator=torch.Generator(device=device).manual_seed(4))
     with torch.no_grad():
@@ -93,48 +115,74 @@ def check_kv_cache(device) -> tuple[bool, str]:
 
 
 def check_r3(device) -> tuple[bool, str]:
+    """A bf16 engine flips some experts (mismatch > 0 without replay); R3 replays them in the
+    fp32 ``old_logprob`` pass: mismatch 0 and a smaller training-inference KL."""
     model = MoETransformer(CONFIG, generator=torch.Generator().manual_seed(5), device=device)
     engine = RolloutEngine(model, precision="bf16")
     gen = torch.Generator().manual_seed(6)
     prompts = torch.randint(0, CONFIG.vocab_size - 1, (64, 8), generator=gen).tolist()
     batch = engine.generate(prompts, max_new_tokens=32, eos_id=CONFIG.vocab_size - 1,
                             generator=torch.Generator(device=device).manual_seed(7))
-    rates = {}
+    rates, kls = {}, {}
     for replay in ("none", "r3"):
         step = compute_old_logprobs(model, batch, replay)
         rates[replay] = routing_mismatch_rate(step.token_extras[OLD_ROUTING],
                                               batch.token_extras[ENGINE_ROUTING])
-    return rates["r3"] == 0.0, f"routing mismatch, bf16 engine: none {rates['none']:.4f}, " \
-                               f"R3 {rates['r3']:.4f}"
+        kls[replay] = training_inference_kl(step)
+    ok = rates["none"] > 0 and rates["r3"] == 0.0 and kls["r3"] < kls["none"]
+    return ok, (f"bf16 engine: routing mismatch none {rates['none']:.4f}, R3 {rates['r3']:.4f}; "
+                f"k3 KL none {kls['none']:.2e}, R3 {kls['r3']:.2e}")
 
 
-def check_trainer(device) -> tuple[bool, str]:
+def check_generators(device) -> tuple[bool, str]:
+    """Generators on the GPU: model weights and the engine's selection noise may come from a
+    CUDA generator; sampling with a CPU generator on a CUDA engine is a clear ValueError."""
+    if device.type != "cuda":
+        return True, "skipped: only a CUDA engine can mismatch its generator"
+    cuda_gen = torch.Generator(device=device).manual_seed(8)
+    model = MoETransformer(CONFIG, generator=cuda_gen, device=device)
+    engine = RolloutEngine(model, selection_noise=0.1, generator=cuda_gen)
+    try:
+        engine.generate([[1, 2]], max_new_tokens=2, eos_id=0, generator=torch.Generator())
+    except ValueError as err:
+        return "generator" in str(err), f"CUDA generators accepted; CPU sampler: {err}"
+    return False, "a CPU generator with a CUDA engine raised nothing"
+
+
+def check_trainer(device, steps: int = 4) -> tuple[bool, str]:
     with tempfile.TemporaryDirectory() as out:
         cfg = TrainConfig(device=str(device), task="addition", estimator="minirl", replay="r3",
-                          minibatches=2, rollout_precision="bf16", steps=4, prompts_per_step=32,
-                          group_size=8, eval_size=64, eval_every=2, out_dir=out,
-                          deterministic=False)
+                          minibatches=2, rollout_precision="bf16", steps=steps,
+                          prompts_per_step=32, group_size=8, eval_size=64, eval_every=2,
+                          out_dir=out, deterministic=False)
         start = time.perf_counter()
         rows = train(cfg)
         wall = time.perf_counter() - start
     finite = all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
-    return finite and len(rows) == 4, (f"{len(rows)} steps in {wall:.1f} s (first includes "
+    return finite and len(rows) == steps, (f"{len(rows)} steps in {wall:.1f} s (first includes "
                                        f"compilation), last {rows[-1]['tokens_per_s']:.0f} tokens/s, "
                                        f"eval {rows[-1]['eval_accuracy']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    parser.add_argument("--device", default="cuda",
+                        help="cuda (the checks); cpu runs the same code as a smoke test (flex "
+                             "forward only, a 2-step trainer run)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_checks: no CUDA device")
         return 2
-    device = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}, torch {torch.__version__}")
     failed = 0
+    steps = 4 if device.type == "cuda" else 2
     for name, check in (("flex attention = sdpa", check_flex_equals_sdpa),
                         ("KV cache = recompute", check_kv_cache), ("R3 routing", check_r3),
-                        ("trainer on CUDA", check_trainer)):
+                        ("generators", check_generators),
+                        (f"trainer on {device.type}",
+                         lambda d: check_trainer(d, steps))):
         start = time.perf_counter()
         try:
             ok, note = check(device)

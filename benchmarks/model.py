@@ -8,8 +8,9 @@ routing replay, and the training-inference gap per engine precision.
    (target >= 1.5x). Tokens/s counts real tokens only.
 3. Overhead of routing replay: the same training step with and without a replayed trace
    (target <= 5%).
-4. Routing mismatch rate and training-inference KL (k3) per engine precision, without replay and
-   with R3, on one sampled batch.
+4. Routing mismatch rate and training-inference KL (k3) per engine precision against an fp32
+   trainer (an fp32 copy of the benchmarked model), without replay and with R3, on one sampled
+   batch.
 
 5. Model FLOP utilization of the packed training step: ``6 x active parameters`` per token (the
    routed experts only) plus the document-masked attention (``3 x 4 d sum_s n_s(n_s+1)/2`` per
@@ -28,6 +29,7 @@ Usage: ``python benchmarks/model.py [--gen-tokens 128] [--repeats 3] [--threads 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import time
 
@@ -162,8 +164,12 @@ def bench_training(model, repeats: int, num_sequences: int, peak_tflops: float |
 
 
 def bench_precisions(model, gen_tokens: int) -> None:
+    """Each engine precision against an fp32 trainer (an fp32 copy of ``model``: with a bf16
+    benchmark model the reference would otherwise be bf16 itself)."""
+    model = copy.deepcopy(model).float()
     ps = prompts(64, 8, 2)
-    print(f"training-inference gap, 64 prompts, {gen_tokens} new tokens (k3 KL per token)")
+    print(f"training-inference gap vs an fp32 trainer, 64 prompts, {gen_tokens} new tokens "
+          "(k3 KL per token)")
     print(f"  {'engine':8s} {'mismatch':>9s} {'KL none':>10s} {'KL R3':>10s} {'mismatch R3':>12s}")
     for precision in PRECISIONS:
         engine = RolloutEngine(model, precision=precision)
@@ -198,6 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     DEVICE = torch.device(args.device)
+    if args.attention == "flex" and DEVICE.type != "cuda":
+        parser.error("--attention flex: FlexAttention has no backward on the CPU (training "
+                     "steps); use it with --device cuda")
     if args.peak_tflops is None and DEVICE.type == "cuda":
         args.peak_tflops = 989.0
     if args.quick:

@@ -5,9 +5,11 @@ CPU path needs nothing from here. The block mask says the same thing as
 :func:`tokenmdp.model.transformer.sequence_attention_mask`: a query sees the keys of its own
 sequence at or before it, and a padding query sees only itself.
 
-On CUDA ``flex_attention`` is compiled once (``torch.compile``) and skips fully masked blocks; on
-the CPU it runs PyTorch's eager reference implementation (slow; for tests of equality only).
-The CUDA path is not exercised by the CPU test suite.
+On CUDA ``flex_attention`` runs compiled (``torch.compile`` with automatic dynamic shapes: one
+compilation per dtype and grad mode, one more when the packed shape first changes) and skips
+fully masked blocks; on the CPU it runs PyTorch's eager reference implementation (slow,
+forward only; for tests of equality). The CUDA path is not exercised by the CPU test suite
+(``benchmarks/gpu_checks.py`` checks it on a GPU).
 """
 
 from __future__ import annotations

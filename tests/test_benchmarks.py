@@ -1,0 +1,91 @@
+"""Smoke runs of every script in ``benchmarks/`` at tiny sizes, so none of them rots unseen.
+
+The figures of these runs mean nothing (tiny sizes, one repeat, a loaded machine); what is
+checked is that each script runs to the end and prints or writes what it promises. The GPU
+checks run on the CPU with the same code (``--device cpu``: flex forward only), and each of
+their checks must pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: a smoke run that takes longer than this is a hang (the slowest takes ~25 s on a quiet machine)
+SMOKE_TIMEOUT_S = 300
+
+
+def run_script(script: str, *args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "MPLBACKEND": "Agg"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def test_gpu_checks_pass_on_the_cpu():
+    out = run_script("gpu_checks.py", "--device", "cpu")
+    verdicts = [line.split()[0] for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert verdicts == ["PASS"] * 5, out
+
+
+def test_model_benchmark_quick():
+    out = run_script("model.py", "--quick")
+    for promise in ("KV cache", "packed", "routing replay overhead", "model FLOPs", "fp8"):
+        assert promise in out, out
+
+
+def test_model_benchmark_refuses_flex_on_the_cpu():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model.py"), "--attention",
+                           "flex"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=SMOKE_TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and "--attention flex" in proc.stderr
+
+
+def test_losses_benchmark_small():
+    out = run_script("losses.py", "--tokens", "20000", "--repeats", "1", "--threads", "1",
+                     "--estimators", "reinforce,grpo,gspo")
+    for name in ("reinforce", "grpo", "gspo"):
+        assert name in out, out
+
+
+def test_packing_benchmark_small():
+    out = run_script("packing.py", "--sequences", "2000", "--repeats", "1",
+                     "--memory-sequences", "200")
+    assert "packed FFD" in out and "extrapolated" in out, out
+
+
+def test_moments_benchmark_small():
+    out = run_script("moments.py", "--vocab", "5", "--max-len", "2", "--mc-batches", "64",
+                     "--estimators", "grpo,dapo")
+    assert "total exact time" in out, out
+
+
+def test_exact_scaling_benchmark_small():
+    out = run_script("exact_scaling.py", "--lengths", "2", "3")
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [int(r[0]) for r in rows] == [111, 1111]
+    # the level recursion and the per-sequence loop agree (float64)
+    assert all(float(r[-1]) < 1e-12 for r in rows), out
+
+
+@pytest.mark.slow
+def test_acceptance_quick(tmp_path):
+    run_script("acceptance.py", "--quick", "--out", str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary and (tmp_path / "curve.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_replay_study_quick(tmp_path):
+    run_script("replay_study.py", "--quick", "--out", str(tmp_path))
+    for name in ("results.md", "results.csv", "curves.png"):
+        assert (tmp_path / name).stat().st_size > 0
