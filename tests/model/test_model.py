@@ -159,6 +159,7 @@ def test_bad_tokens_and_traces_raise_naming_the_argument(model64):
         experts[valid] = mended
         with pytest.raises(ValueError, match="distinct expert ids"):
             model64.token_logprobs(batch, routing=experts)
+            pytest.fail(f"a record with {why} was accepted")
     # a float or unsigned trace would be truncated or could not hold -1: rejected, not coerced
     with pytest.raises(TypeError, match="signed integer"):
         model64.token_logprobs(batch, routing=own.experts.double() + 0.7)
