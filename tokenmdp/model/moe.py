@@ -30,7 +30,8 @@ __all__ = ["MoE", "DenseMLP", "load_balancing_loss"]
 
 
 def _normal(shape: tuple[int, ...], std: float, generator: torch.Generator, device, dtype) -> nn.Parameter:
-    w = torch.randn(shape, generator=generator, dtype=torch.float64) * std
+    # drawn where the generator lives (a CPU or a CUDA generator), then moved
+    w = torch.randn(shape, generator=generator, dtype=torch.float64, device=generator.device) * std
     return nn.Parameter(w.to(device=device, dtype=dtype))
 
 
@@ -42,10 +43,15 @@ def load_balancing_loss(scores_NE: torch.Tensor, chosen_NK: torch.Tensor,
     ``P_e`` the mean router probability ``softmax(s)_e``; the loss is 1 under uniform routing.
     """
     E = scores_NE.shape[-1]
+    K = chosen_NK.shape[-1]
     n = valid_N.sum().clamp(min=1)
     probs_NE = torch.softmax(scores_NE.float(), dim=-1) * valid_N[:, None]
-    counts_E = F.one_hot(chosen_NK, E).sum(1)[valid_N].sum(0).to(probs_NE.dtype)
-    f_E = counts_E / (n * chosen_NK.shape[-1])
+    # Integer counts of the valid assignments by scatter-add: no one_hot (whose range check
+    # synchronises with the device) and no boolean mask (whose output size does).
+    weight_NK = valid_N[:, None].expand(-1, K).to(torch.long)
+    counts_E = torch.zeros(E, dtype=torch.long, device=chosen_NK.device).scatter_add_(
+        0, chosen_NK.reshape(-1), weight_NK.reshape(-1)).to(probs_NE.dtype)
+    f_E = counts_E / (n * K)
     P_E = probs_NE.sum(0) / n
     return E * (f_E * P_E).sum()
 
@@ -100,9 +106,13 @@ class MoE(nn.Module):
         return self.router.shape[1]
 
     def forward(self, x_ND: torch.Tensor, *, valid_N: torch.Tensor,
-                replay_NK: torch.Tensor | None = None
+                replay_NK: torch.Tensor | None = None, aux: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Mix the experts of each token.
+
+        The (token, slot) assignments are grouped by expert with a stable sort, so each expert
+        sees its tokens in row-major order; the only host-device synchronisation is the one read
+        of the per-expert counts.
 
         Parameters
         ----------
@@ -111,6 +121,9 @@ class MoE(nn.Module):
             Real tokens (the load-balancing loss counts only these).
         replay_NK : LongTensor ``[N, K]``, optional
             Experts to use; a row with any entry ``< 0`` is routed by the layer itself.
+        aux : bool, default True
+            Compute the load-balancing loss. ``False`` (for example during KV-cache decoding,
+            where nobody uses it) skips it and returns a zero scalar instead.
 
         Returns
         -------
@@ -118,7 +131,7 @@ class MoE(nn.Module):
         chosen_NK : LongTensor ``[N, K]``
             The experts used (the routing record of this layer).
         aux : Tensor ``[]``
-            The load-balancing loss of this layer (float32).
+            The load-balancing loss of this layer (float32); ``0`` when ``aux`` is ``False``.
         """
         scores_NE = x_ND @ self.router
         chosen_NK = torch.topk(scores_NE + self.selection_bias, self.top_k, dim=-1).indices
@@ -127,19 +140,50 @@ class MoE(nn.Module):
             chosen_NK = torch.where(routed_N[:, None], replay_NK, chosen_NK)
         # Gates from the full score vector: a replayed expert keeps its score's gradient.
         gates_NK = torch.softmax(scores_NE.gather(-1, chosen_NK), dim=-1)
+        y_ND = self._dispatch(x_ND, valid_N, chosen_NK, gates_NK)
+        if aux:
+            loss = load_balancing_loss(scores_NE, chosen_NK, valid_N)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=x_ND.device)
+        return y_ND, chosen_NK, loss
+
+    def _dispatch(self, x_ND: torch.Tensor, valid_N: torch.Tensor, chosen_NK: torch.Tensor,
+                  gates_NK: torch.Tensor) -> torch.Tensor:
+        """``Σ_k g_nk expert_{chosen_nk}(x_n)``, one batched pass per expert (never per token).
+
+        The flattened assignments ``A = N K`` (row-major: token, then slot) are sorted by a key
+        with a *stable* sort, so within an expert they stay in row-major order; the per-expert
+        counts are read to the host once. Without capacity the key is the expert id. With
+        capacity it is ``2 e + invalid``: expert ``e``'s block holds its valid assignments first
+        (in row-major order), of which the first ``capacity`` are kept, then its invalid ones,
+        which the counter-example drops.
+        """
+        E, K = self.n_experts, chosen_NK.shape[-1]
+        expert_A = chosen_NK.reshape(-1)
+        limited = self.capacity_factor is not None
+        if limited:
+            invalid_A = (~valid_N)[:, None].expand(-1, K).reshape(-1)
+            key_A, n_bins = expert_A * 2 + invalid_A, 2 * E
+        else:
+            key_A, n_bins = expert_A, E
+        # Counts by scatter-add (CUDA bincount would synchronise twice more, for its min/max);
+        # an expert id outside [0, E) raises (CPU) or asserts on the device, like one_hot did.
+        counts = torch.zeros(n_bins, dtype=torch.long, device=key_A.device).scatter_add_(
+            0, key_A, torch.ones_like(key_A)).tolist()                  # the one host sync
+        order_A = torch.argsort(key_A, stable=True)
+        blocks = order_A.split(counts)
+        if limited:
+            n_valid = sum(counts[0::2]) // K                          # = valid_N.sum(), exactly
+            capacity = math.ceil(self.capacity_factor * n_valid * self.top_k / E)
+            blocks = [blocks[2 * e][:capacity] for e in range(E)]
+        gates_A = gates_NK.reshape(-1)
         y_ND = torch.zeros_like(x_ND)
-        capacity = None
-        if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * int(valid_N.sum()) * self.top_k
-                                 / self.n_experts)
-        for e in range(self.n_experts):  # loop over experts, never over tokens
-            tok, slot = (chosen_NK == e).nonzero(as_tuple=True)          # in row-major order
-            if capacity is not None:  # the counter-example: drop beyond capacity
-                keep = valid_N[tok]
-                tok, slot = tok[keep][:capacity], slot[keep][:capacity]
-            if tok.numel() == 0:
+        for e in range(E):  # loop over experts, never over tokens
+            idx_M = blocks[e]                                         # (token, slot) row-major
+            if idx_M.numel() == 0:
                 continue
-            x_MD = x_ND[tok]
+            tok_M = idx_M.div(K, rounding_mode="floor")
+            x_MD = x_ND[tok_M]
             h_MH = F.silu(x_MD @ self.w_gate[e]) * (x_MD @ self.w_up[e])
-            y_ND = y_ND.index_add(0, tok, (h_MH @ self.w_down[e]) * gates_NK[tok, slot, None])
-        return y_ND, chosen_NK, load_balancing_loss(scores_NE, chosen_NK, valid_N)
+            y_ND = y_ND.index_add(0, tok_M, (h_MH @ self.w_down[e]) * gates_A[idx_M, None])
+        return y_ND

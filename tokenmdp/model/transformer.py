@@ -185,7 +185,8 @@ class Block(nn.Module):
                            std=std, generator=generator,
                            capacity_factor=config.expert_capacity_factor, device=device, dtype=dtype)
 
-    def forward(self, x_RCD, cos, sin, mask_R1CT, valid_RC, replay_RCK, cache, cache_cols_RC):
+    def forward(self, x_RCD, cos, sin, mask_R1CT, valid_RC, replay_RCK, cache, cache_cols_RC,
+                aux: bool = True):
         R, C, D = x_RCD.shape
         x_RCD = x_RCD + self.attn(self.attn_norm(x_RCD), cos, sin, mask_R1CT, cache=cache,
                                   cache_cols_RC=cache_cols_RC)
@@ -193,8 +194,9 @@ class Block(nn.Module):
         if isinstance(self.mlp, DenseMLP):
             return x_RCD + self.mlp(h_ND).view(R, C, D), None, None
         replay_NK = None if replay_RCK is None else replay_RCK.reshape(R * C, -1)
-        y_ND, chosen_NK, aux = self.mlp(h_ND, valid_N=valid_RC.reshape(-1), replay_NK=replay_NK)
-        return x_RCD + y_ND.view(R, C, D), chosen_NK.view(R, C, -1), aux
+        y_ND, chosen_NK, lb = self.mlp(h_ND, valid_N=valid_RC.reshape(-1), replay_NK=replay_NK,
+                                       aux=aux)
+        return x_RCD + y_ND.view(R, C, D), chosen_NK.view(R, C, -1), lb
 
 
 class MoETransformer(nn.Module):
@@ -204,8 +206,8 @@ class MoETransformer(nn.Module):
     ----------
     config : ModelConfig
     generator : torch.Generator
-        Source of the initial weights (drawn in float64, then cast: the same seed gives the same
-        model in every dtype up to rounding).
+        Source of the initial weights (drawn in float64 on the generator's device, then cast and
+        moved: the same seed gives the same model in every dtype up to rounding).
     device, dtype
         Where and in which floating-point dtype the weights live (float64 for the exact world).
     """
@@ -232,11 +234,13 @@ class MoETransformer(nn.Module):
     def forward_tokens(self, tokens_RC: torch.Tensor, position_RC: torch.Tensor,
                        mask_R1CT: torch.Tensor, valid_RC: torch.Tensor, *,
                        routing_RCLK: torch.Tensor | None = None, cache: KVCache | None = None,
-                       cache_cols_RC: torch.Tensor | None = None) -> ModelOutput:
+                       cache_cols_RC: torch.Tensor | None = None, aux: bool = True
+                       ) -> ModelOutput:
         """The forward pass on raw tensors (the batch API and the rollout engine both call it).
 
         ``mask_R1CT`` says which keys each query sees (``T = C`` without a cache, the cache
         capacity with one); ``routing_RCLK`` replays experts where its entries are ``>= 0``.
+        ``aux=False`` skips the load-balancing loss (returned as 0; the rollout engine's case).
         Nothing is validated here (no host sync per decoding step): callers check their inputs.
         """
         cfg = self.config
@@ -247,7 +251,7 @@ class MoETransformer(nn.Module):
             replay = None if routing_RCLK is None or cfg.dense else routing_RCLK[:, :, i]
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, chosen_RCK, layer_aux = block(x, cos, sin, mask_R1CT, valid_RC, replay, kv,
-                                             cache_cols_RC)
+                                             cache_cols_RC, aux)
             if chosen_RCK is not None:
                 experts.append(chosen_RCK)
                 aux = aux + layer_aux

@@ -176,7 +176,7 @@ class RolloutEngine:
         causal_PT = cols_T[None, :T if use_cache else P] <= cols_T[:P, None]
         out = self.model.forward_tokens(tokens_BT[:, :P], cols_T[:P].expand(B, P),
                                         causal_PT.expand(B, 1, P, -1), valid_BP, cache=cache,
-                                        cache_cols_RC=cols_T[:P].expand(B, P))
+                                        cache_cols_RC=cols_T[:P].expand(B, P), aux=False)
         routing_BTLK[:, :P] = torch.where(valid_BP[..., None, None], out.experts_RCLK, -1)
         next_logits_BV = out.logits_RCV[rows_B, plen_B - 1]
 
@@ -199,14 +199,14 @@ class RolloutEngine:
                 mask_B11T = (cols_T[None, :] <= col_B[:, None])[:, None, None]
                 out = self.model.forward_tokens(tokens_BT[rows_B, col_B][:, None], col_B[:, None],
                                                 mask_B11T, ~done_B[:, None], cache=cache,
-                                                cache_cols_RC=col_B[:, None])
+                                                cache_cols_RC=col_B[:, None], aux=False)
                 experts_BLK, next_logits_BV = out.experts_RCLK[:, 0], out.logits_RCV[:, 0]
             else:
                 n = int(length_B.max())
                 causal_1nn = (cols_T[None, :n] <= cols_T[:n, None])[None, None]
                 out = self.model.forward_tokens(tokens_BT[:, :n], cols_T[:n].expand(B, n),
                                                 causal_1nn.expand(B, 1, n, n),
-                                                cols_T[:n] < length_B[:, None])
+                                                cols_T[:n] < length_B[:, None], aux=False)
                 experts_BLK, next_logits_BV = (out.experts_RCLK[rows_B, col_B],
                                                out.logits_RCV[rows_B, col_B])
             fed_B = ~done_B
