@@ -139,6 +139,19 @@ def test_load_balancing_loss_is_one_under_uniform_scores_and_counts_valid_tokens
         == pytest.approx(3.0)
 
 
+#: a near-uniform router (init std 0.01) gives a load-balancing loss of ~1 per routed layer.
+NEAR_UNIFORM_ATOL = 0.05
+
+
+def test_forward_sums_the_load_balancing_loss_of_the_routed_layers():
+    model = make_model(dataclasses.replace(TINY, init_std=0.01), dtype=torch.float64)
+    out = model(_batch())
+    assert out.load_balancing_loss.requires_grad
+    assert abs(float(out.load_balancing_loss.detach()) - TINY.routed_layers) < NEAR_UNIFORM_ATOL
+    dense = make_model(dataclasses.replace(TINY, dense=True), dtype=torch.float64)
+    assert float(dense(_batch()).load_balancing_loss) == 0.0
+
+
 def test_bad_tokens_and_traces_raise_naming_the_argument(model64):
     with pytest.raises(ValueError, match="vocab_size"):
         model64.token_logprobs(TokenBatch.from_sequences([[1]], [[TINY.vocab_size]]))

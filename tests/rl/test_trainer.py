@@ -29,12 +29,14 @@ from tokenmdp.rl.trainer import (
 
 #: ∇J by exact recursion vs the trainer's loss on the probability-weighted enumeration (float64).
 GRADIENT_RTOL = 1e-9
+#: two float64 gradient computations of the same loss, summed in different orders.
+SAME_LOSS_RTOL = 1e-12
 
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_experts=4, top_k=2, expert_hidden=16,
             prompts_per_step=4, group_size=4, max_new_tokens=6, eval_size=4, eval_every=2)
 RL_KEYS = {"step", "lr", "reward", "response_length", "entropy", "train_infer_kl_k1",
            "train_infer_kl_k3", "clip_fraction", "r_min", "r_mean", "r_max", "routing_mismatch",
-           "grad_norm", "loss", "tokens_per_s", "time_s"}
+           "grad_norm", "loss", "load_balancing", "tokens_per_s", "time_s"}
 
 
 def _lines(path):
@@ -126,7 +128,7 @@ def test_precision_on_a_missing_device_fails_at_start():
 def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch, caplog):
     calls = []
 
-    def nan_loss(model, batch, est, replay):
+    def nan_loss(model, batch, est, replay, **kwargs):
         calls.append(1)
         return model.embed.sum() * float("nan"), {"tokens": torch.tensor(1.0)}
 
@@ -205,7 +207,7 @@ def test_every_registry_estimator_runs_a_finite_step(tmp_path, name):
 def test_cli_reports_a_diverged_run_without_a_traceback(tmp_path, monkeypatch, capsys):
     from tokenmdp.cli import main
 
-    def nan_loss(model, batch, est, replay):
+    def nan_loss(model, batch, est, replay, **kwargs):
         return model.embed.sum() * float("nan"), {"tokens": torch.tensor(1.0)}
 
     monkeypatch.setattr(trainer, "minibatch_loss", nan_loss)
@@ -216,3 +218,43 @@ def test_cli_reports_a_diverged_run_without_a_traceback(tmp_path, monkeypatch, c
         main(argv)
     assert err.value.code == 1
     assert "stopped" in capsys.readouterr().err
+
+
+def test_load_balancing_coef_adds_the_switch_loss_gradient():
+    cfg = TrainConfig(dtype="float64", init_std=0.5, seed=3, **TINY)
+    model = build_model(cfg, vocab_size=5)
+    est = estimators.get("dapo")  # a clipped surrogate, no reference model
+    batch = TokenBatch.from_sequences([[1, 2], [3], [2, 2, 1]], [[4, 1, 0], [2, 3], [1]],
+                                      rewards=[1.0, 0.0, 0.5], groups=[0, 0, 0],
+                                      dtype=torch.float64)
+    batch = compute_old_logprobs(model, estimators.prepare(batch, est), "none")
+
+    def grad(fn):
+        model.zero_grad()
+        fn().backward()
+        return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
+                          for p in model.parameters()])
+
+    plain = grad(lambda: minibatch_loss(model, batch, est)[0])
+    # independently: the model's own forward pass gives the load-balancing loss
+    balance = grad(lambda: model(batch).load_balancing_loss)
+    assert float(balance.abs().max()) > 0  # the router's gradient
+    coef = 0.37
+    with torch.no_grad():
+        loss, metrics = minibatch_loss(model, batch, est, load_balancing_coef=coef)
+    with_coef = grad(lambda: minibatch_loss(model, batch, est, load_balancing_coef=coef)[0])
+    torch.testing.assert_close(with_coef, plain + coef * balance, rtol=SAME_LOSS_RTOL,
+                               atol=SAME_LOSS_RTOL * float(plain.abs().max()))
+    assert float(metrics["load_balancing"]) == pytest.approx(
+        float(model(batch).load_balancing_loss.detach()), rel=1e-12)
+    assert float(loss) == pytest.approx(float(minibatch_loss(model, batch, est)[0].detach())
+                                        + coef * float(metrics["load_balancing"]), rel=1e-12)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"load_balancing_coef": -0.1}, "load_balancing_coef"),
+    ({"load_balancing_coef": 0.01, "dense": True}, "load_balancing_coef"),
+])
+def test_load_balancing_coef_is_checked(changes, match):
+    with pytest.raises(ValueError, match=match):
+        check_config(TrainConfig(**{**TINY, **changes}))

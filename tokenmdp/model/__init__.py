@@ -13,8 +13,9 @@ from tokenmdp.model.transformer import (
     ModelOutput,
     MoETransformer,
     RoutingTrace,
+    TokenOutputs,
     sequence_attention_mask,
 )
 
-__all__ = ["ModelConfig", "MoE", "MoETransformer", "RoutingTrace", "KVCache", "ModelOutput",
-           "load_balancing_loss", "sequence_attention_mask"]
+__all__ = ["ModelConfig", "MoE", "MoETransformer", "RoutingTrace", "TokenOutputs", "KVCache",
+           "ModelOutput", "load_balancing_loss", "sequence_attention_mask"]

@@ -45,7 +45,9 @@ def load_balancing_loss(scores_NE: torch.Tensor, chosen_NK: torch.Tensor,
     E = scores_NE.shape[-1]
     K = chosen_NK.shape[-1]
     n = valid_N.sum().clamp(min=1)
-    probs_NE = torch.softmax(scores_NE.float(), dim=-1) * valid_N[:, None]
+    # float32 for half-precision scores, else the scores' own dtype (float64 in the exact world)
+    work_NE = scores_NE.float() if scores_NE.dtype in (torch.bfloat16, torch.float16) else scores_NE
+    probs_NE = torch.softmax(work_NE, dim=-1) * valid_N[:, None]
     # Integer counts of the valid assignments by scatter-add: no one_hot (whose range check
     # synchronises with the device) and no boolean mask (whose output size does).
     weight_NK = valid_N[:, None].expand(-1, K).to(torch.long)
@@ -131,7 +133,8 @@ class MoE(nn.Module):
         chosen_NK : LongTensor ``[N, K]``
             The experts used (the routing record of this layer).
         aux : Tensor ``[]``
-            The load-balancing loss of this layer (float32); ``0`` when ``aux`` is ``False``.
+            The load-balancing loss of this layer (float32 for half-precision weights, else their
+            dtype); a float32 ``0`` when ``aux`` is ``False``.
         """
         scores_NE = x_ND @ self.router
         chosen_NK = torch.topk(scores_NE + self.selection_bias, self.top_k, dim=-1).indices

@@ -10,8 +10,8 @@ The policy protocol (:mod:`tokenmdp.exact.policies`):
   prompt tokens and padding; the token at column ``c`` is predicted by the output at ``c - 1``;
 * ``next_token_logprobs(batch) -> [R, C, V]``: the full distribution each response token was
   drawn from, 0 elsewhere;
-* ``token_logprobs_and_entropy(batch)``: the log-probs, their entropy ``[R, C]`` and the routing
-  from one forward pass (the trainer's ``old_logprob`` pass).
+* ``token_outputs(batch, entropy=True)``: the log-probs, the routing, the load-balancing loss
+  and the entropy ``[R, C]`` from one forward pass (:class:`TokenOutputs`; the trainer's passes).
 
 Routing: ``token_logprobs(batch, routing=trace, record_routing=True)`` replays a
 :class:`RoutingTrace` (expert ids ``[R, C, layers, K]``, ``-1`` where a token has no record) and
@@ -36,7 +36,8 @@ from tokenmdp.batch import TokenBatch
 from tokenmdp.model.config import ModelConfig
 from tokenmdp.model.moe import DenseMLP, MoE, _normal
 
-__all__ = ["MoETransformer", "RoutingTrace", "KVCache", "ModelOutput", "sequence_attention_mask"]
+__all__ = ["MoETransformer", "RoutingTrace", "TokenOutputs", "KVCache", "ModelOutput",
+           "sequence_attention_mask"]
 
 
 SIGNED_INTS = (torch.int64, torch.int32, torch.int16, torch.int8)
@@ -77,6 +78,29 @@ class ModelOutput:
     logits_RCV: torch.Tensor
     experts_RCLK: torch.Tensor
     load_balancing_loss: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenOutputs:
+    """Per-token outputs of one forward pass (:meth:`MoETransformer.token_outputs`).
+
+    Attributes
+    ----------
+    logprob_RC : Tensor ``[R, C]``
+        ``log pi(y_t | x, y_<t)`` of each response token, 0 elsewhere.
+    routing : RoutingTrace
+        The experts used (``-1`` on padding).
+    load_balancing_loss : Tensor ``[]``
+        The load-balancing loss summed over the routed layers (float32 for half-precision
+        weights, else their dtype; 0 for a dense model).
+    entropy_RC : Tensor ``[R, C]`` or None
+        The entropy of each response token's next-token distribution (when asked), 0 elsewhere.
+    """
+
+    logprob_RC: torch.Tensor
+    routing: RoutingTrace
+    load_balancing_loss: torch.Tensor
+    entropy_RC: torch.Tensor | None = None
 
 
 class KVCache:
@@ -246,20 +270,20 @@ class MoETransformer(nn.Module):
         cfg = self.config
         x = self.embed[tokens_RC]                                              # (R, C, D)
         cos, sin = rope_tables(position_RC, cfg.head_size, cfg.rope_base, x.dtype)
-        experts, aux = [], x.new_zeros((), dtype=torch.float32)
+        experts, balance = [], x.new_zeros((), dtype=torch.float32)
         for i, block in enumerate(self.blocks):
             replay = None if routing_RCLK is None or cfg.dense else routing_RCLK[:, :, i]
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, chosen_RCK, layer_aux = block(x, cos, sin, mask_R1CT, valid_RC, replay, kv,
-                                             cache_cols_RC, aux)
+            x, chosen_RCK, layer_balance = block(x, cos, sin, mask_R1CT, valid_RC, replay, kv,
+                                                 cache_cols_RC, aux)
             if chosen_RCK is not None:
                 experts.append(chosen_RCK)
-                aux = aux + layer_aux
+                balance = balance + layer_balance
         logits = self.final_norm(x) @ self.lm_head                             # (R, C, V)
         R, C = tokens_RC.shape
         experts_RCLK = (torch.stack(experts, dim=2) if experts else
                         torch.zeros(R, C, 0, cfg.top_k, dtype=torch.long, device=tokens_RC.device))
-        return ModelOutput(logits, experts_RCLK, aux)
+        return ModelOutput(logits, experts_RCLK, balance)
 
     def forward(self, batch: TokenBatch, *, routing: RoutingTrace | torch.Tensor | None = None
                 ) -> ModelOutput:
@@ -338,26 +362,25 @@ class MoETransformer(nn.Module):
         record_routing : bool
             Also return the routing used.
         """
-        lp_RCV, out = self._predicting_logprobs(batch, routing)
-        lp_RC = lp_RCV.gather(-1, batch.tokens[..., None]).squeeze(-1) * batch.response_mask
-        return (lp_RC, RoutingTrace(out.experts_RCLK)) if record_routing else lp_RC
+        out = self.token_outputs(batch, routing)
+        return (out.logprob_RC, out.routing) if record_routing else out.logprob_RC
 
-    def token_logprobs_and_entropy(self, batch: TokenBatch,
-                                   routing: RoutingTrace | torch.Tensor | None = None
-                                   ) -> tuple[torch.Tensor, torch.Tensor, RoutingTrace]:
-        """One forward pass for ``token_logprobs(..., record_routing=True)`` and the entropy
-        ``H_t = -sum_v pi(v | x, y_<t) log pi(v | x, y_<t)`` of the distribution each response
-        token was drawn from (``[R, C]``, 0 elsewhere; terms with ``pi(v) = 0`` count 0).
-
-        Returns
-        -------
-        (logprob_RC, entropy_RC, RoutingTrace)
+    def token_outputs(self, batch: TokenBatch,
+                      routing: RoutingTrace | torch.Tensor | None = None, *,
+                      entropy: bool = False) -> TokenOutputs:
+        """Everything a training pass reads from one forward pass: the log-probs of
+        :meth:`token_logprobs`, the routing used, the summed load-balancing loss and, with
+        ``entropy``, the entropy ``H_t = -sum_v pi(v | x, y_<t) log pi(v | x, y_<t)`` of the
+        distribution each response token was drawn from (terms with ``pi(v) = 0`` count 0).
         """
         lp_RCV, out = self._predicting_logprobs(batch, routing)
         lp_RC = lp_RCV.gather(-1, batch.tokens[..., None]).squeeze(-1) * batch.response_mask
-        plogp_RCV = torch.where(lp_RCV > -torch.inf, lp_RCV.exp() * lp_RCV, 0.0)
-        entropy_RC = -plogp_RCV.sum(-1) * batch.response_mask
-        return lp_RC, entropy_RC, RoutingTrace(out.experts_RCLK)
+        entropy_RC = None
+        if entropy:
+            plogp_RCV = torch.where(lp_RCV > -torch.inf, lp_RCV.exp() * lp_RCV, 0.0)
+            entropy_RC = -plogp_RCV.sum(-1) * batch.response_mask
+        return TokenOutputs(lp_RC, RoutingTrace(out.experts_RCLK), out.load_balancing_loss,
+                            entropy_RC)
 
     def next_token_logprobs(self, batch: TokenBatch,
                             routing: RoutingTrace | torch.Tensor | None = None) -> torch.Tensor:

@@ -62,6 +62,10 @@ class TrainConfig:
     kl_coef: float | None = None
     """KL-in-loss coefficient (k3) to the reference (the initial model); None keeps the
     estimator's own KL, 0 removes it."""
+    load_balancing_coef: float = 0.0
+    """Coefficient of the MoE load-balancing loss added to every update's loss (Switch
+    Transformer's auxiliary loss, Fedus et al. 2021, who use 0.01); 0 leaves it out (it is still
+    logged as ``load_balancing``)."""
     steps: int = 20
     """Number of steps to run (the total, including resumed ones)."""
     eval_every: int = 10
@@ -187,3 +191,7 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
             raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)}")
     if cfg.grad_clip < 0 or (cfg.kl_coef is not None and cfg.kl_coef < 0):
         raise ValueError("grad_clip, kl_coef: must be >= 0")
+    if not cfg.load_balancing_coef >= 0:
+        raise ValueError(f"load_balancing_coef: must be >= 0, got {cfg.load_balancing_coef}")
+    if cfg.load_balancing_coef > 0 and cfg.dense:
+        raise ValueError("load_balancing_coef: a dense model has no experts to balance")

@@ -279,20 +279,18 @@ def compute_old_logprobs(model: MoETransformer, batch: TokenBatch,
 
     With ``entropy=True`` it returns ``(batch, entropy_RC)``: the same batch and, from the same
     forward pass, the entropy of ``pi_old`` at every response token (``[R, C]`` in the batch's
-    dtype, 0 elsewhere; see :meth:`MoETransformer.token_logprobs_and_entropy`).
+    dtype, 0 elsewhere; see :meth:`MoETransformer.token_outputs`).
     """
     replay = RoutingReplay(replay)
     if not isinstance(entropy, bool):
         raise TypeError(f"entropy: expected a bool, got {type(entropy).__name__}")
     routing = replay_routing(batch, replay) if replay is RoutingReplay.R3 else None
     with torch.no_grad():
-        if entropy:
-            lp_RC, ent_RC, trace = model.token_logprobs_and_entropy(batch, routing=routing)
-        else:
-            lp_RC, trace = model.token_logprobs(batch, routing=routing, record_routing=True)
-    extras = {**batch.token_extras, OLD_ROUTING: trace.experts}
-    out = dataclasses.replace(batch, old_logprob=lp_RC.to(batch.dtype), token_extras=extras)
-    return (out, ent_RC.to(batch.dtype)) if entropy else out
+        res = model.token_outputs(batch, routing=routing, entropy=entropy)
+    extras = {**batch.token_extras, OLD_ROUTING: res.routing.experts}
+    out = dataclasses.replace(batch, old_logprob=res.logprob_RC.to(batch.dtype),
+                              token_extras=extras)
+    return (out, res.entropy_RC.to(batch.dtype)) if entropy else out
 
 
 def training_inference_kl(batch: TokenBatch, *, kind: str = "k3") -> float:

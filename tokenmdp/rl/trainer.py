@@ -140,29 +140,42 @@ def build_estimator(cfg: TrainConfig) -> Estimator:
 
 # ---------------------------------------------------------------------------------- one update
 class TokenLogprobs(torch.nn.Module):
-    """``forward(batch, routing)`` = ``model.token_logprobs(batch, routing)``: the module DDP
-    wraps, so that the training pass goes through DDP's ``forward`` (which prepares the
-    gradient all-reduce)."""
+    """``forward(batch, routing)`` = ``(log-probs, load-balancing loss)`` of
+    ``model.token_outputs(batch, routing)``: the module DDP wraps, so that the training pass goes
+    through DDP's ``forward`` (which prepares the gradient all-reduce)."""
 
     def __init__(self, model: MoETransformer) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, batch: TokenBatch, routing=None) -> torch.Tensor:
-        return self.model.token_logprobs(batch, routing=routing)
+    def forward(self, batch: TokenBatch, routing=None) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model.token_outputs(batch, routing=routing)
+        return out.logprob_RC, out.load_balancing_loss
 
 
 def minibatch_loss(model: MoETransformer | torch.nn.Module, batch: TokenBatch, estimator: Estimator,
-                   replay: RoutingReplay | str = RoutingReplay.NONE
+                   replay: RoutingReplay | str = RoutingReplay.NONE, *,
+                   load_balancing_coef: float = 0.0
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one update: ``log π_θ`` under the replayed routing, then
-    :func:`~tokenmdp.estimators.loss` with the batch's own ``advantage`` and ``loss_weight``.
+    :func:`~tokenmdp.estimators.loss` with the batch's own ``advantage`` and ``loss_weight``,
+    plus ``load_balancing_coef`` times the MoE load-balancing loss (Switch Transformer's
+    auxiliary loss, Fedus et al. 2021, summed over the routed layers; with data parallel each
+    rank's over its own tokens, averaged over the ranks). The metrics gain
+    ``load_balancing``, that loss without the coefficient.
 
     ``model`` is the MoE transformer or (data parallel) the DDP-wrapped :class:`TokenLogprobs`
     of it."""
-    forward = model.token_logprobs if isinstance(model, MoETransformer) else model
-    logprobs_RC = forward(batch, routing=replay_routing(batch, replay))
-    return estimators.loss(logprobs_RC.to(batch.dtype), batch, estimator)
+    forward = model if isinstance(model, TokenLogprobs) or not isinstance(
+        model, MoETransformer) else TokenLogprobs(model)
+    logprobs_RC, balance = forward(batch, routing=replay_routing(batch, replay))
+    loss, metrics = estimators.loss(logprobs_RC.to(batch.dtype), batch, estimator)
+    metrics["load_balancing"] = balance.detach()
+    if load_balancing_coef:
+        # the rank losses sum to the step's loss: each adds its share of the ranks' mean
+        _, world = rank_and_world_size()
+        loss = loss + (load_balancing_coef / world) * balance.to(loss.dtype)
+    return loss, metrics
 
 
 def prepare_minibatch(batch: TokenBatch, estimator: Estimator, *, max_len: int) -> TokenBatch:
@@ -340,7 +353,8 @@ class _Run:
         for part in parts:
             part = prepare_minibatch(part, self.est, max_len=cfg.max_new_tokens)
             self.optimizer.zero_grad(set_to_none=True)
-            loss, m = minibatch_loss(self.trained, part, self.est, self.replay)
+            loss, m = minibatch_loss(self.trained, part, self.est, self.replay,
+                                     load_balancing_coef=cfg.load_balancing_coef)
             # every rank skips together (DDP's backward is a collective); the rank losses sum
             # to the mini-batch's loss (weights from the global counts)
             finite, global_loss = all_reduce_floats(
@@ -370,7 +384,8 @@ class _Run:
         if not metrics:
             return out
         # token-weighted over the updates and the ranks; extremes over both
-        weighted = [k for k in ("clip_fraction", "masked_fraction", "r_mean", "rho_mean", "kl_ref")
+        weighted = [k for k in ("clip_fraction", "masked_fraction", "r_mean", "rho_mean", "kl_ref",
+                                "load_balancing")
                     if k in metrics[0]]
         sums = all_reduce_floats(
             [sum(float(m["tokens"]) for m in metrics)] +
