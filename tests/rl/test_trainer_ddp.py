@@ -36,6 +36,9 @@ ESTIMATORS = ("dapo", "minirl", "grpo", "ppo")
 METRICS = ("loss", "grad_norm", "clip_fraction", "r_mean", "r_min", "r_max", "rho_mean",
            "kl_ref")
 
+# with a load-balancing term: each rank's Switch loss over its own tokens, averaged over ranks
+BALANCED, LB_COEF = "dapo", 0.5
+
 CFG = TrainConfig(task="count", dtype="float64", grad_clip=0.0, minibatches=1, replay="r2",
                   rollout_precision="bf16", prompts_per_step=4, group_size=4, max_new_tokens=6,
                   d_model=32, n_layers=1, n_heads=2, n_experts=4, top_k=2, expert_hidden=16,
@@ -76,6 +79,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         run = trainer._Run(_cfg(name))
         assert (run.rank, run.world) == (rank, WORLD_SIZE)
         results[name] = _update(run, _rank_share(batches[name], rank))
+    run = trainer._Run(dataclasses.replace(_cfg(BALANCED), load_balancing_coef=LB_COEF))
+    results["load_balancing"] = _update(run, _rank_share(batches[BALANCED], rank))
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     leave_group()
 
@@ -113,6 +118,25 @@ def test_two_rank_update_equals_the_single_process_update(updates, name):
             if key in want["metrics"]:
                 assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=TOL,
                                                             abs=TOL), key
+
+
+def test_load_balancing_term_is_the_mean_of_the_ranks_own_terms(updates):
+    single, ranks, batches = updates
+    # independently: the estimator's global gradient (the single-process update without the
+    # term) plus LB_COEF times the mean over ranks of grad(Switch loss of the rank's tokens)
+    model = trainer._Run(_cfg(BALANCED)).model
+    balance = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for r in range(WORLD_SIZE):
+        model.zero_grad()
+        model(_rank_share(batches[BALANCED], r)).load_balancing_loss.backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                balance[n] += p.grad / WORLD_SIZE
+    assert max(float(g.abs().max()) for g in balance.values()) > 1e-3  # not vacuous
+    for rank in ranks:
+        for n, g in rank["load_balancing"]["grads"].items():
+            torch.testing.assert_close(g, single[BALANCED]["grads"][n] + LB_COEF * balance[n],
+                                       rtol=TOL, atol=TOL, msg=lambda m, p=n: f"{p}: {m}")
 
 
 def test_batch_normalized_advantages_need_every_ranks_rewards(updates):
