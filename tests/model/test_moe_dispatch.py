@@ -44,7 +44,8 @@ def _replay(n: int, top_k: int, seed: int = 2) -> torch.Tensor:
 
 
 def _old_aux(scores, chosen, valid):
-    """The one_hot formula the layer used before (written out independently)."""
+    """The one_hot formula the layer used before (written out independently), in float64 (the
+    layer's softmax was float32 then; now it keeps float64 scores in float64)."""
     n = valid.sum().clamp(min=1)
     probs = torch.softmax(scores.double(), dim=-1) * valid[:, None]
     counts = F.one_hot(chosen, scores.shape[-1]).sum(1)[valid].sum(0).to(probs.dtype)

@@ -258,3 +258,35 @@ def test_load_balancing_coef_adds_the_switch_loss_gradient():
 def test_load_balancing_coef_is_checked(changes, match):
     with pytest.raises(ValueError, match=match):
         check_config(TrainConfig(**{**TINY, **changes}))
+
+
+def test_minibatch_loss_takes_a_module_that_returns_log_probs_only():
+    cfg = TrainConfig(dtype="float64", seed=3, **TINY)
+    model = build_model(cfg, vocab_size=5)
+    est = estimators.get("dapo")
+    batch = TokenBatch.from_sequences([[1, 2], [3]], [[4, 1], [2, 3, 0]], rewards=[1.0, 0.0],
+                                      groups=[0, 0], dtype=torch.float64)
+    batch = compute_old_logprobs(model, estimators.prepare(batch, est), "none")
+
+    class LogprobsOnly(torch.nn.Module):  # a user's own wrapper: no load-balancing loss
+        def forward(self, batch, routing=None):
+            return model.token_logprobs(batch, routing=routing)
+
+    with torch.no_grad():
+        loss, metrics = minibatch_loss(LogprobsOnly(), batch, est)
+        assert float(loss) == float(minibatch_loss(model, batch, est)[0])
+    assert "load_balancing" not in metrics
+    with pytest.raises(ValueError, match="load_balancing_coef"):
+        minibatch_loss(LogprobsOnly(), batch, est, load_balancing_coef=0.1)
+
+
+def test_resuming_a_checkpoint_that_predates_a_setting_reads_its_default(tmp_path, caplog):
+    cfg = TrainConfig(steps=1, task="count", out_dir=str(tmp_path), **TINY)
+    train(cfg)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    del state["config"]["load_balancing_coef"]  # as written before the setting existed
+    torch.save(state, tmp_path / "checkpoint.pt")
+    train(dataclasses.replace(cfg, steps=2, resume=True))
+    assert "changed settings" not in caplog.text
+    train(dataclasses.replace(cfg, steps=3, resume=True, load_balancing_coef=0.01))
+    assert "changed settings: load_balancing_coef" in caplog.text

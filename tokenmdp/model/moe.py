@@ -32,7 +32,9 @@ __all__ = ["MoE", "DenseMLP", "load_balancing_loss"]
 def _normal(shape: tuple[int, ...], std: float, generator: torch.Generator, device, dtype) -> nn.Parameter:
     # drawn where the generator lives (a CPU or a CUDA generator), then moved
     w = torch.randn(shape, generator=generator, dtype=torch.float64, device=generator.device) * std
-    return nn.Parameter(w.to(device=device, dtype=dtype))
+    # device None means the CPU (where every other tensor of the model is created), whatever
+    # the generator's device
+    return nn.Parameter(w.to(device=torch.device("cpu") if device is None else device, dtype=dtype))
 
 
 def load_balancing_loss(scores_NE: torch.Tensor, chosen_NK: torch.Tensor,

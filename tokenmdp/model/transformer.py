@@ -15,7 +15,8 @@ The policy protocol (:mod:`tokenmdp.exact.policies`):
 
 Routing: ``token_logprobs(batch, routing=trace, record_routing=True)`` replays a
 :class:`RoutingTrace` (expert ids ``[R, C, layers, K]``, ``-1`` where a token has no record) and
-returns the routing it used. Traces are per-token data: put ``trace.experts`` in
+returns the routing it used; each (token, layer) record holds ``K`` distinct expert ids in
+``[0, E)`` or is all ``-1`` (no record). Traces are per-token data: put ``trace.experts`` in
 ``batch.token_extras`` and packing moves it with the tokens.
 
 On the CPU attention is ``scaled_dot_product_attention`` with a boolean mask; on CUDA a
@@ -265,7 +266,8 @@ class MoETransformer(nn.Module):
         ``mask_R1CT`` says which keys each query sees (``T = C`` without a cache, the cache
         capacity with one); ``routing_RCLK`` replays experts where its entries are ``>= 0``.
         ``aux=False`` skips the load-balancing loss (returned as 0; the rollout engine's case).
-        Nothing is validated here (no host sync per decoding step): callers check their inputs.
+        Nothing is validated here (no host sync for checks in a decoding step): callers check
+        their inputs.
         """
         cfg = self.config
         x = self.embed[tokens_RC]                                              # (R, C, D)
@@ -285,9 +287,10 @@ class MoETransformer(nn.Module):
                         torch.zeros(R, C, 0, cfg.top_k, dtype=torch.long, device=tokens_RC.device))
         return ModelOutput(logits, experts_RCLK, balance)
 
-    def forward(self, batch: TokenBatch, *, routing: RoutingTrace | torch.Tensor | None = None
-                ) -> ModelOutput:
-        """Logits at every column of ``batch`` (each predicting the next token of its sequence)."""
+    def forward(self, batch: TokenBatch, *, routing: RoutingTrace | torch.Tensor | None = None,
+                aux: bool = True) -> ModelOutput:
+        """Logits at every column of ``batch`` (each predicting the next token of its sequence),
+        the routing used and (unless ``aux=False``) the load-balancing loss."""
         if not isinstance(batch, TokenBatch):
             raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
         routing_RCLK = None
@@ -313,7 +316,7 @@ class MoETransformer(nn.Module):
             routing_RCLK = torch.where(valid_RC[:, :, None, None], routing_RCLK.long(), -1)
             self._check_routing(routing_RCLK)
         out = self.forward_tokens(batch.tokens, batch.position, mask, valid_RC,
-                                  routing_RCLK=routing_RCLK)
+                                  routing_RCLK=routing_RCLK, aux=aux)
         experts = torch.where(valid_RC[:, :, None, None], out.experts_RCLK, -1)
         return dataclasses.replace(out, experts_RCLK=experts)
 
@@ -332,11 +335,12 @@ class MoETransformer(nn.Module):
                              f"{self.config.n_experts}) or be all -1 (no record)")
 
     # ------------------------------------------------------------------ policy protocol
-    def _predicting_logprobs(self, batch: TokenBatch, routing) -> tuple[torch.Tensor, ModelOutput]:
+    def _predicting_logprobs(self, batch: TokenBatch, routing, aux: bool = False
+                             ) -> tuple[torch.Tensor, ModelOutput]:
         """``log pi(. | prefix)`` ``[R, C, V]`` for the token *at* each column (shifted by one),
         0 at sequence starts and padding. Half-precision logits are normalized in float32 (and
         the log-probs returned in float32), as the rollout engine does."""
-        out = self.forward(batch, routing=routing)
+        out = self.forward(batch, routing=routing, aux=aux)
         logits_RCV = out.logits_RCV
         if logits_RCV.dtype in (torch.bfloat16, torch.float16):
             logits_RCV = logits_RCV.float()
@@ -358,22 +362,25 @@ class MoETransformer(nn.Module):
         ----------
         batch : TokenBatch
         routing : RoutingTrace or LongTensor ``[R, C, L, K]``, optional
-            Experts to replay (tokens whose record holds ``-1`` are routed by the model).
+            Experts to replay: each (token, layer) record holds ``K`` distinct ids in
+            ``[0, E)``, or is all ``-1`` (that token is routed by the model); anything else is a
+            ``ValueError``.
         record_routing : bool
             Also return the routing used.
         """
-        out = self.token_outputs(batch, routing)
+        out = self.token_outputs(batch, routing, aux=False)
         return (out.logprob_RC, out.routing) if record_routing else out.logprob_RC
 
     def token_outputs(self, batch: TokenBatch,
                       routing: RoutingTrace | torch.Tensor | None = None, *,
-                      entropy: bool = False) -> TokenOutputs:
+                      entropy: bool = False, aux: bool = True) -> TokenOutputs:
         """Everything a training pass reads from one forward pass: the log-probs of
         :meth:`token_logprobs`, the routing used, the summed load-balancing loss and, with
         ``entropy``, the entropy ``H_t = -sum_v pi(v | x, y_<t) log pi(v | x, y_<t)`` of the
         distribution each response token was drawn from (terms with ``pi(v) = 0`` count 0).
+        ``aux=False`` skips the load-balancing loss (0), for passes that do not train.
         """
-        lp_RCV, out = self._predicting_logprobs(batch, routing)
+        lp_RCV, out = self._predicting_logprobs(batch, routing, aux)
         lp_RC = lp_RCV.gather(-1, batch.tokens[..., None]).squeeze(-1) * batch.response_mask
         entropy_RC = None
         if entropy:

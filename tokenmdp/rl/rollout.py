@@ -183,7 +183,8 @@ class RolloutEngine:
         for step in range(max_new_tokens):
             lp_BV = torch.log_softmax(next_logits_BV.float() / temperature, dim=-1)
             y_B = torch.multinomial(lp_BV.exp(), 1, generator=generator).squeeze(1)
-            # written with torch.where, not boolean indexing: no host sync per decoding step
+            # written with torch.where, not boolean indexing: the writes need no host sync (a
+            # step still syncs once per routed layer, in the MoE dispatch, and at the stop test)
             active_B = ~done_B
             at_B = length_B.clamp(max=T - 1)
             tokens_BT[rows_B, at_B] = torch.where(active_B, y_B, tokens_BT[rows_B, at_B])
@@ -251,7 +252,9 @@ class RolloutEngine:
             raise ValueError(f"eos_id: must be < vocab_size={V}, got {eos_id}")
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
-        if generator.device.type != self.device.type:
+        if generator.device.type != self.device.type or (
+                self.device.index is not None and generator.device.index is not None
+                and generator.device.index != self.device.index):
             raise ValueError(f"generator: lives on {generator.device.type} but the engine samples "
                              f"on {self.device}; pass torch.Generator(device={str(self.device)!r})")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
@@ -286,7 +289,7 @@ def compute_old_logprobs(model: MoETransformer, batch: TokenBatch,
         raise TypeError(f"entropy: expected a bool, got {type(entropy).__name__}")
     routing = replay_routing(batch, replay) if replay is RoutingReplay.R3 else None
     with torch.no_grad():
-        res = model.token_outputs(batch, routing=routing, entropy=entropy)
+        res = model.token_outputs(batch, routing=routing, entropy=entropy, aux=False)
     extras = {**batch.token_extras, OLD_ROUTING: res.routing.experts}
     out = dataclasses.replace(batch, old_logprob=res.logprob_RC.to(batch.dtype),
                               token_extras=extras)

@@ -42,7 +42,9 @@ pass and mini-batch split; the loss weights of every update come from counts all
 the ranks (:func:`~tokenmdp.distributed.global_counts`) and each rank's loss is multiplied by
 :func:`~tokenmdp.distributed.data_parallel_loss_scale`, so after DDP's gradient all-reduce
 every rank holds the gradient of the global mini-batch (``tests/rl/test_trainer_ddp.py``
-checks it against the single-process update). Metrics are reduced over the ranks as sums of
+checks it against the single-process update). The one exception is the optional
+load-balancing term (``load_balancing_coef``): each rank's is over its own tokens, and the
+ranks' mean is used. Metrics are reduced over the ranks as sums of
 numerators and denominators; rank 0 writes them and the checkpoint (which holds every rank's
 RNG states); the held-out set is split over the ranks. Estimators whose advantage normalizes
 over the whole batch (``ppo``: :class:`~tokenmdp.estimators.BatchNormalized`) get them from
@@ -93,7 +95,7 @@ from tokenmdp.rl.rollout import (
 )
 from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
 
-__all__ = ["SFT_ESTIMATOR", "TIMING_FIELDS", "NonFiniteError", "TokenLogprobs", "build_estimator",
+__all__ = ["SFT_ESTIMATOR", "TIMING_FIELDS", "NonFiniteError", "TrainingPass", "build_estimator",
            "build_model", "main", "minibatch_loss", "prepare_minibatch", "split_minibatches",
            "train"]
 
@@ -139,7 +141,7 @@ def build_estimator(cfg: TrainConfig) -> Estimator:
 
 
 # ---------------------------------------------------------------------------------- one update
-class TokenLogprobs(torch.nn.Module):
+class TrainingPass(torch.nn.Module):
     """``forward(batch, routing)`` = ``(log-probs, load-balancing loss)`` of
     ``model.token_outputs(batch, routing)``: the module DDP wraps, so that the training pass goes
     through DDP's ``forward`` (which prepares the gradient all-reduce)."""
@@ -155,26 +157,30 @@ class TokenLogprobs(torch.nn.Module):
 
 def minibatch_loss(model: MoETransformer | torch.nn.Module, batch: TokenBatch, estimator: Estimator,
                    replay: RoutingReplay | str = RoutingReplay.NONE, *,
-                   load_balancing_coef: float = 0.0
+                   load_balancing_coef: float = 0.0, world_size: int = 1
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one update: ``log π_θ`` under the replayed routing, then
     :func:`~tokenmdp.estimators.loss` with the batch's own ``advantage`` and ``loss_weight``,
     plus ``load_balancing_coef`` times the MoE load-balancing loss (Switch Transformer's
-    auxiliary loss, Fedus et al. 2021, summed over the routed layers; with data parallel each
-    rank's over its own tokens, averaged over the ranks). The metrics gain
-    ``load_balancing``, that loss without the coefficient.
+    auxiliary loss, Fedus et al. 2021, summed over the routed layers). With ``world_size``
+    data-parallel ranks each rank adds ``1 / world_size`` of its own tokens' loss, so the term
+    is the mean over the ranks (not the loss of the whole batch). The metrics gain
+    ``load_balancing`` (without the coefficient) when the model reports it.
 
-    ``model`` is the MoE transformer or (data parallel) the DDP-wrapped :class:`TokenLogprobs`
-    of it."""
-    forward = model if isinstance(model, TokenLogprobs) or not isinstance(
-        model, MoETransformer) else TokenLogprobs(model)
-    logprobs_RC, balance = forward(batch, routing=replay_routing(batch, replay))
+    ``model`` is the MoE transformer, or a module called as ``model(batch, routing=...)`` that
+    returns the log-probs ``[R, C]`` or ``(log-probs, load-balancing loss)`` (the DDP-wrapped
+    :class:`TrainingPass` of the trainer)."""
+    if isinstance(model, MoETransformer):
+        model = TrainingPass(model)
+    out = model(batch, routing=replay_routing(batch, replay))
+    logprobs_RC, balance = out if isinstance(out, tuple) else (out, None)
     loss, metrics = estimators.loss(logprobs_RC.to(batch.dtype), batch, estimator)
-    metrics["load_balancing"] = balance.detach()
+    if balance is not None:
+        metrics["load_balancing"] = balance.detach()
     if load_balancing_coef:
-        # the rank losses sum to the step's loss: each adds its share of the ranks' mean
-        _, world = rank_and_world_size()
-        loss = loss + (load_balancing_coef / world) * balance.to(loss.dtype)
+        if balance is None:
+            raise ValueError("load_balancing_coef: the model returned no load-balancing loss")
+        loss = loss + (load_balancing_coef / world_size) * balance.to(loss.dtype)
     return loss, metrics
 
 
@@ -227,7 +233,7 @@ class _Run:
         # evaluation passes use self.model directly: no gradient, nothing to synchronize)
         self.trained: torch.nn.Module = self.model
         if self.world > 1:  # experts are stacked parameters: every one is used in every pass
-            self.trained = DistributedDataParallel(TokenLogprobs(self.model))
+            self.trained = DistributedDataParallel(TrainingPass(self.model))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay)
@@ -262,8 +268,10 @@ class _Run:
         if len(state["rng"]) != self.world:
             raise ValueError(f"resume: {path} was written by {len(state['rng'])} rank(s), this "
                              f"run has {self.world}; resume with the same number of ranks")
+        # a setting an older checkpoint predates counts as its default
+        defaults = dataclasses.asdict(TrainConfig())
         changed = sorted(k for k, v in dataclasses.asdict(self.cfg).items()
-                         if k not in _RESUMABLE and state["config"].get(k) != v)
+                         if k not in _RESUMABLE and state["config"].get(k, defaults[k]) != v)
         if changed and self.rank == 0:
             log.warning("resuming %s with changed settings: %s", path, ", ".join(changed))
         self.model.load_state_dict(state["model"])
@@ -354,7 +362,8 @@ class _Run:
             part = prepare_minibatch(part, self.est, max_len=cfg.max_new_tokens)
             self.optimizer.zero_grad(set_to_none=True)
             loss, m = minibatch_loss(self.trained, part, self.est, self.replay,
-                                     load_balancing_coef=cfg.load_balancing_coef)
+                                     load_balancing_coef=cfg.load_balancing_coef,
+                                     world_size=self.world)
             # every rank skips together (DDP's backward is a collective); the rank losses sum
             # to the mini-batch's loss (weights from the global counts)
             finite, global_loss = all_reduce_floats(
