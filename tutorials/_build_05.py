@@ -324,9 +324,12 @@ print("an RL row:", {k: round(v, 4) if isinstance(v, float) else v for k, v in r
 
 md(r"""
 Each row is one step: `reward` and `train_accuracy` of the step's samples (temperature 1),
-`response_length`, `entropy` of $\pi_{\text{old}}$, the training–inference KL and routing
-mismatch of section 2 (now measured by the trainer on its own rollouts), the update's loss,
-gradient norm and clip fraction, and `eval_accuracy` on evaluation steps. The evaluation steps:
+`response_length`, `entropy` of $\pi_{\text{old}}$ (from the same forward pass as the old
+log-probs, `model.token_outputs`), the training–inference KL and routing mismatch of section 2
+(now measured by the trainer on its own rollouts), the update's loss, gradient norm and clip
+fraction, `load_balancing` (the MoE Switch loss of the update passes, ~1 per layer when the
+experts share the tokens evenly; it joins the loss only with `load_balancing_coef > 0`), and
+`eval_accuracy` on evaluation steps. The evaluation steps:
 """)
 
 code(r"""
