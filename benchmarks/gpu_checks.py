@@ -4,7 +4,8 @@
    boolean mask: same weights and same experts (the flex pass replays the SDPA pass's routing),
    a packed batch with several sequences per row, token log-probs and parameter gradients in
    float32 (tight) and bfloat16 (loose: bf16 rounds to 3 digits).
-2. The rollout engine's KV-cache log-probs equal a full recompute on the GPU (float32).
+2. The rollout engine's KV-cache log-probs equal a full recompute on the GPU (float32), with
+   ragged prompts; the host syncs per decoding step are counted (a figure, not a check).
 3. R3 on the GPU: a bf16 engine's routing differs from the fp32 trainer's; replaying it makes
    the routing mismatch 0 and lowers the training-inference KL.
 4. Generators: CUDA generators are accepted for weights and selection noise; a CPU one for
@@ -23,11 +24,13 @@ code on the CPU as a smoke test (the test suite does, so the script cannot rot u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import tempfile
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -107,13 +110,33 @@ def check_kv_cache(device) -> tuple[bool, str]:
     # ragged prompts (1 to 16 tokens): the prefill masks padding columns
     prompts = [torch.randint(0, CONFIG.vocab_size - 1, (int(n),), generator=gen).tolist()
                for n in torch.randint(1, 17, (32,), generator=gen)]
-    batch = engine.generate(prompts, max_new_tokens=64, eos_id=CONFIG.vocab_size - 1,
-                            generator=torch.Generator(device=device).manual_seed(4))
+    with _count_syncs(device) as syncs:
+        batch = engine.generate(prompts, max_new_tokens=64, eos_id=CONFIG.vocab_size - 1,
+                                generator=torch.Generator(device=device).manual_seed(4))
     with torch.no_grad():
         full = engine.model.token_logprobs(batch, routing=batch.token_extras[ENGINE_ROUTING])
     diff = float(((full - batch.behavior_logprob) * batch.loss_mask).abs().max())
-    return diff <= CACHE_TOL, f"max |cache - recompute| {diff:.2e} over {batch.num_loss_tokens} " \
-                              f"tokens (tol {CACHE_TOL:g})"
+    steps = int(batch.length.max())  # one sampling step per response token of the longest
+    sync_note = (f"; {len(syncs) / steps:.1f} host syncs per decoding step (expected about "
+                 f"{CONFIG.routed_layers} routed layers + 1 stop test)" if syncs is not None else "")
+    return diff <= CACHE_TOL, (f"max |cache - recompute| {diff:.2e} over {batch.num_loss_tokens} "
+                               f"tokens (tol {CACHE_TOL:g})" + sync_note)
+
+
+@contextlib.contextmanager
+def _count_syncs(device):
+    """On CUDA, the host-device synchronizations inside the block (a list of warnings, from
+    ``torch.cuda.set_sync_debug_mode``); None elsewhere."""
+    if device.type != "cuda":
+        yield None
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def check_r3(device) -> tuple[bool, str]:
