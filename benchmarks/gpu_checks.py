@@ -117,6 +117,8 @@ def check_kv_cache(device) -> tuple[bool, str]:
         full = engine.model.token_logprobs(batch, routing=batch.token_extras[ENGINE_ROUTING])
     diff = float(((full - batch.behavior_logprob) * batch.loss_mask).abs().max())
     steps = int(batch.length.max())  # one sampling step per response token of the longest
+    if syncs is not None:  # the mode's own "prototype feature" warning is not a sync
+        syncs = [w for w in syncs if "called a synchronizing" in str(w.message)]
     sync_note = (f"; {len(syncs) / steps:.1f} host syncs per decoding step (expected about "
                  f"{CONFIG.routed_layers} routed layers + 1 stop test)" if syncs is not None else "")
     return diff <= CACHE_TOL, (f"max |cache - recompute| {diff:.2e} over {batch.num_loss_tokens} "
