@@ -4,7 +4,8 @@
 * :mod:`tokenmdp.rl.rollout` — :class:`RolloutEngine` (batched sampling with a KV cache in its own
   numerics), :class:`RoutingReplay` and the helpers that record and replay routing for training;
 * :mod:`tokenmdp.rl.config` and :mod:`tokenmdp.rl.trainer` — :class:`TrainConfig` and
-  :func:`train` (RL and SFT through the same loss); :mod:`tokenmdp.rl.cli_commands` — the
+  :func:`train` (RL and SFT through the same loss); :mod:`tokenmdp.rl.update` — one optimizer
+  update (the training pass, mini-batch weights and split); :mod:`tokenmdp.rl.cli_commands` — the
   ``tokenmdp sft`` / ``tokenmdp train`` commands generated from the config.
 
 The trainer modules are imported on use (``from tokenmdp.rl.trainer import train``).

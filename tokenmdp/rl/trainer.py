@@ -13,7 +13,7 @@ One RL step (``mode="rl"``), reading order of :func:`train`:
    whole groups;
 6. the sequences are shuffled and split into ``N = minibatches`` mini-batches. **Each mini-batch
    update is its own optimizer step** (as in PPO), so each mini-batch gets the loss weights of
-   its own counts (:func:`prepare_minibatch`); the advantages of step 5 are kept. Updates
+   its own counts (:mod:`tokenmdp.rl.update`); the advantages of step 5 are kept. Updates
    ``2..N`` are off-policy: ``π_θ ≠ π_old``, which the estimator's ratio and clip handle;
 7. metrics (one JSON line per step in ``out_dir/metrics.jsonl``, TensorBoard scalars when
    ``tensorboard`` is installed, a progress line on a terminal: :class:`~tokenmdp.rl.logger.RunLogger`)
@@ -74,12 +74,11 @@ from tokenmdp.distributed import (
     all_gather_objects,
     all_reduce_floats,
     data_parallel_loss_scale,
-    global_counts,
     rank_and_world_size,
 )
 from tokenmdp.estimators import Aggregation, Estimator, KLPenalty, Reinforce, RewardAsAdvantage
 from tokenmdp.model import ModelConfig, MoETransformer
-from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
+from tokenmdp.packing import pack_first_fit_decreasing
 from tokenmdp.rl.cli_commands import add_config_arguments, config_from_args, run_and_report
 from tokenmdp.rl.config import DTYPES, TrainConfig, check_config
 from tokenmdp.rl.logger import RunLogger
@@ -89,11 +88,16 @@ from tokenmdp.rl.rollout import (
     RolloutEngine,
     RoutingReplay,
     compute_old_logprobs,
-    replay_routing,
     routing_mismatch_counts,
     training_inference_kl,
 )
 from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
+from tokenmdp.rl.update import (
+    TrainingPass,
+    minibatch_loss,
+    prepare_minibatch,
+    split_minibatches,
+)
 
 __all__ = ["SFT_ESTIMATOR", "TIMING_FIELDS", "NonFiniteError", "TrainingPass", "build_estimator",
            "build_model", "main", "minibatch_loss", "prepare_minibatch", "split_minibatches",
@@ -138,70 +142,6 @@ def build_estimator(cfg: TrainConfig) -> Estimator:
         est = est.replace(kl=KLPenalty(coef=cfg.kl_coef, in_reward=False) if cfg.kl_coef > 0
                           else None)
     return est
-
-
-# ---------------------------------------------------------------------------------- one update
-class TrainingPass(torch.nn.Module):
-    """``forward(batch, routing)`` = ``(log-probs, load-balancing loss)`` of
-    ``model.token_outputs(batch, routing)``: the module DDP wraps, so that the training pass goes
-    through DDP's ``forward`` (which prepares the gradient all-reduce)."""
-
-    def __init__(self, model: MoETransformer) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: TokenBatch, routing=None) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model.token_outputs(batch, routing=routing)
-        return out.logprob_RC, out.load_balancing_loss
-
-
-def minibatch_loss(model: MoETransformer | torch.nn.Module, batch: TokenBatch, estimator: Estimator,
-                   replay: RoutingReplay | str = RoutingReplay.NONE, *,
-                   load_balancing_coef: float = 0.0, world_size: int = 1
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss of one update: ``log π_θ`` under the replayed routing, then
-    :func:`~tokenmdp.estimators.loss` with the batch's own ``advantage`` and ``loss_weight``,
-    plus ``load_balancing_coef`` times the MoE load-balancing loss (Switch Transformer's
-    auxiliary loss, Fedus et al. 2021, summed over the routed layers). With ``world_size``
-    data-parallel ranks each rank adds ``1 / world_size`` of its own tokens' loss, so the term
-    is the mean over the ranks (not the loss of the whole batch). The metrics gain
-    ``load_balancing`` (without the coefficient) when the model reports it.
-
-    ``model`` is the MoE transformer, or a module called as ``model(batch, routing=...)`` that
-    returns the log-probs ``[R, C]`` or ``(log-probs, load-balancing loss)`` (the DDP-wrapped
-    :class:`TrainingPass` of the trainer)."""
-    if isinstance(model, MoETransformer):
-        model = TrainingPass(model)
-    out = model(batch, routing=replay_routing(batch, replay))
-    logprobs_RC, balance = out if isinstance(out, tuple) else (out, None)
-    loss, metrics = estimators.loss(logprobs_RC.to(batch.dtype), batch, estimator)
-    if balance is not None:
-        metrics["load_balancing"] = balance.detach()
-    if load_balancing_coef:
-        if balance is None:
-            raise ValueError("load_balancing_coef: the model returned no load-balancing loss")
-        loss = loss + (load_balancing_coef / world_size) * balance.to(loss.dtype)
-    return loss, metrics
-
-
-def prepare_minibatch(batch: TokenBatch, estimator: Estimator, *, max_len: int) -> TokenBatch:
-    """Loss weights of a mini-batch that is its own optimizer step: the aggregation with the
-    mini-batch's counts (summed over ranks); ``advantage`` is kept as the step computed it."""
-    mask = estimators.counted_mask(batch, estimator)
-    counts = global_counts(batch, mask=mask)
-    weights = estimators.loss_weights(batch, estimator.aggregation, num_tokens=counts.num_loss_tokens,
-                                      num_sequences=counts.num_sequences, max_len=max_len,
-                                      mask=mask)
-    return batch.replace(loss_weight=weights)
-
-
-def split_minibatches(batch: TokenBatch, n: int, *, generator: torch.Generator,
-                      capacity: int) -> list[TokenBatch]:
-    """Shuffle the sequences (``generator``, CPU) into ``n`` parts of sizes differing by at most
-    one, each packed again (first-fit decreasing, rows of ``capacity``)."""
-    order = torch.randperm(batch.num_sequences, generator=generator)
-    return [pack_first_fit_decreasing(select_sequences(batch, part.sort().values.to(batch.device)),
-                                      capacity) for part in order.tensor_split(n)]
 
 
 # ---------------------------------------------------------------------------------- the run
