@@ -21,12 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE_TIMEOUT_S = 300
 
 
-def run_script(script: str, *args: str) -> str:
+def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "MPLBACKEND": "Agg"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+
+
+def run_script(script: str, *args: str) -> str:
+    proc = run_benchmark(script, *args)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -46,9 +50,7 @@ def test_model_benchmark_quick():
 
 
 def test_model_benchmark_refuses_flex_on_the_cpu():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model.py"), "--attention",
-                           "flex"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=SMOKE_TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = run_benchmark("model.py", "--attention", "flex")
     assert proc.returncode == 2 and "--attention flex" in proc.stderr
 
 

@@ -130,13 +130,18 @@ CASES = [  # (top_k, capacity_factor, replay?, n)
 ]
 
 
-@pytest.mark.parametrize("top_k,capacity_factor,replay,n", CASES)
-def test_dispatch_matches_per_token_reference(top_k, capacity_factor, replay, n):
+def _layer_and(other, top_k, capacity_factor, replay, n):
+    """``_run`` of the layer and of ``other(m, x, valid, replay)`` on the same case."""
     m = _moe(top_k, capacity_factor)
     x, valid = _inputs(n)
     r = _replay(n, top_k) if replay else None
-    y, chosen, aux, grads = _run(_layer(m), m, x, valid, r)
-    y_ref, chosen_ref, aux_ref, grads_ref = _run(lambda *a: _reference(m, *a), m, x, valid, r)
+    return _run(_layer(m), m, x, valid, r), _run(lambda *a: other(m, *a), m, x, valid, r)
+
+
+@pytest.mark.parametrize("top_k,capacity_factor,replay,n", CASES)
+def test_dispatch_matches_per_token_reference(top_k, capacity_factor, replay, n):
+    (y, chosen, aux, grads), (y_ref, chosen_ref, aux_ref, grads_ref) = _layer_and(
+        _reference, top_k, capacity_factor, replay, n)
     assert torch.equal(chosen, chosen_ref)
     torch.testing.assert_close(y, y_ref, **TOL)
     torch.testing.assert_close(aux.double(), aux_ref.double(), **TOL)
@@ -148,12 +153,8 @@ def test_dispatch_matches_per_token_reference(top_k, capacity_factor, replay, n)
 
 @pytest.mark.parametrize("top_k,capacity_factor,replay,n", CASES)
 def test_dispatch_bitwise_equals_nonzero_dispatch(top_k, capacity_factor, replay, n):
-    m = _moe(top_k, capacity_factor)
-    x, valid = _inputs(n)
-    r = _replay(n, top_k) if replay else None
-    y, chosen, aux, grads = _run(_layer(m), m, x, valid, r)
-    y_old, chosen_old, aux_old, grads_old = _run(lambda *a: _nonzero_dispatch(m, *a), m, x,
-                                                 valid, r)
+    (y, chosen, aux, grads), (y_old, chosen_old, aux_old, grads_old) = _layer_and(
+        _nonzero_dispatch, top_k, capacity_factor, replay, n)
     assert torch.equal(chosen, chosen_old) and torch.equal(y, y_old)
     assert torch.equal(aux, aux_old)
     for name in grads_old:

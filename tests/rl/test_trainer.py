@@ -220,14 +220,19 @@ def test_cli_reports_a_diverged_run_without_a_traceback(tmp_path, monkeypatch, c
     assert "stopped" in capsys.readouterr().err
 
 
+def _dapo_step(prompts, responses, rewards, **cfg):
+    """A float64 model (vocabulary 5) and one prepared DAPO group of its own samples' shape (a
+    clipped surrogate, no reference model), after the ``old_logprob`` pass."""
+    model = build_model(TrainConfig(dtype="float64", seed=3, **{**TINY, **cfg}), vocab_size=5)
+    est = estimators.get("dapo")
+    batch = TokenBatch.from_sequences(prompts, responses, rewards=rewards,
+                                      groups=[0] * len(prompts), dtype=torch.float64)
+    return model, est, compute_old_logprobs(model, estimators.prepare(batch, est), "none")
+
+
 def test_load_balancing_coef_adds_the_switch_loss_gradient():
-    cfg = TrainConfig(dtype="float64", init_std=0.5, seed=3, **TINY)
-    model = build_model(cfg, vocab_size=5)
-    est = estimators.get("dapo")  # a clipped surrogate, no reference model
-    batch = TokenBatch.from_sequences([[1, 2], [3], [2, 2, 1]], [[4, 1, 0], [2, 3], [1]],
-                                      rewards=[1.0, 0.0, 0.5], groups=[0, 0, 0],
-                                      dtype=torch.float64)
-    batch = compute_old_logprobs(model, estimators.prepare(batch, est), "none")
+    model, est, batch = _dapo_step([[1, 2], [3], [2, 2, 1]], [[4, 1, 0], [2, 3], [1]],
+                                   [1.0, 0.0, 0.5], init_std=0.5)
 
     def grad(fn):
         model.zero_grad()
@@ -261,12 +266,7 @@ def test_load_balancing_coef_is_checked(changes, match):
 
 
 def test_minibatch_loss_takes_a_module_that_returns_log_probs_only():
-    cfg = TrainConfig(dtype="float64", seed=3, **TINY)
-    model = build_model(cfg, vocab_size=5)
-    est = estimators.get("dapo")
-    batch = TokenBatch.from_sequences([[1, 2], [3]], [[4, 1], [2, 3, 0]], rewards=[1.0, 0.0],
-                                      groups=[0, 0], dtype=torch.float64)
-    batch = compute_old_logprobs(model, estimators.prepare(batch, est), "none")
+    model, est, batch = _dapo_step([[1, 2], [3]], [[4, 1], [2, 3, 0]], [1.0, 0.0])
 
     class LogprobsOnly(torch.nn.Module):  # a user's own wrapper: no load-balancing loss
         def forward(self, batch, routing=None):

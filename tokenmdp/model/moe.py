@@ -29,6 +29,12 @@ from torch import nn
 __all__ = ["MoE", "DenseMLP", "load_balancing_loss"]
 
 
+def float32_if_half(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 when it is bfloat16 or float16 (for reductions and normalizations), else
+    ``x`` itself (float32 and float64 keep their precision)."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
 def _normal(shape: tuple[int, ...], std: float, generator: torch.Generator, device, dtype) -> nn.Parameter:
     # drawn where the generator lives (a CPU or a CUDA generator), then moved
     w = torch.randn(shape, generator=generator, dtype=torch.float64, device=generator.device) * std
@@ -47,9 +53,7 @@ def load_balancing_loss(scores_NE: torch.Tensor, chosen_NK: torch.Tensor,
     E = scores_NE.shape[-1]
     K = chosen_NK.shape[-1]
     n = valid_N.sum().clamp(min=1)
-    # float32 for half-precision scores, else the scores' own dtype (float64 in the exact world)
-    work_NE = scores_NE.float() if scores_NE.dtype in (torch.bfloat16, torch.float16) else scores_NE
-    probs_NE = torch.softmax(work_NE, dim=-1) * valid_N[:, None]
+    probs_NE = torch.softmax(float32_if_half(scores_NE), dim=-1) * valid_N[:, None]
     # Integer counts of the valid assignments by scatter-add: no one_hot (whose range check
     # synchronises with the device) and no boolean mask (whose output size does).
     weight_NK = valid_N[:, None].expand(-1, K).to(torch.long)

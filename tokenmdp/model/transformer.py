@@ -35,7 +35,7 @@ from torch import nn
 
 from tokenmdp.batch import TokenBatch
 from tokenmdp.model.config import ModelConfig
-from tokenmdp.model.moe import DenseMLP, MoE, _normal
+from tokenmdp.model.moe import DenseMLP, MoE, _normal, float32_if_half
 
 __all__ = ["MoETransformer", "RoutingTrace", "TokenOutputs", "KVCache", "ModelOutput",
            "sequence_attention_mask"]
@@ -140,7 +140,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = float32_if_half(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.to(x.dtype) * self.weight
 
@@ -341,10 +341,7 @@ class MoETransformer(nn.Module):
         0 at sequence starts and padding. Half-precision logits are normalized in float32 (and
         the log-probs returned in float32), as the rollout engine does."""
         out = self.forward(batch, routing=routing, aux=aux)
-        logits_RCV = out.logits_RCV
-        if logits_RCV.dtype in (torch.bfloat16, torch.float16):
-            logits_RCV = logits_RCV.float()
-        lp_RCV = torch.log_softmax(logits_RCV, dim=-1)
+        lp_RCV = torch.log_softmax(float32_if_half(out.logits_RCV), dim=-1)
         shifted = torch.zeros_like(lp_RCV)
         shifted[:, 1:] = lp_RCV[:, :-1]
         has_prefix_RC = (batch.sequence_id >= 0) & (batch.position > 0)

@@ -126,9 +126,10 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | str | 
                 ) -> MoETransformer:
     """The MoE transformer of ``cfg``, initialized from ``cfg.seed`` on ``device`` (default
     ``cfg.device``)."""
-    mc = ModelConfig(vocab_size=vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                     n_heads=cfg.n_heads, n_experts=cfg.n_experts, top_k=cfg.top_k,
-                     expert_hidden=cfg.expert_hidden, dense=cfg.dense, init_std=cfg.init_std)
+    # TrainConfig repeats the ModelConfig fields it exposes (flat, one command-line option each)
+    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)
+              if hasattr(cfg, f.name)}
+    mc = ModelConfig(vocab_size=vocab_size, **shared)
     return MoETransformer(mc, generator=torch.Generator().manual_seed(cfg.seed),
                           device=cfg.device if device is None else device, dtype=DTYPES[cfg.dtype])
 
