@@ -15,6 +15,9 @@ routing replay, and the training-inference gap per engine precision.
 5. Model FLOP utilization of the packed training step: ``6 x active parameters`` per token (the
    routed experts only) plus the document-masked attention (``3 x 4 d sum_s n_s(n_s+1)/2`` per
    layer), divided by the time and by ``--peak-tflops`` (H200 dense bf16: 989).
+6. The trainer's ``old_logprob`` pass with the entropy metric: one forward pass
+   (``compute_old_logprobs(..., entropy=True)``) vs the old-logprob pass plus a second pass for
+   the full next-token distributions (what the trainer did before), R3, on one sampled batch.
 
 Times are the best of ``--repeats`` runs, on the CPU with ``--threads`` intra-op threads (default
 1: small kernels on a shared machine lose far more to thread hand-offs than they gain), or on
@@ -45,6 +48,7 @@ from tokenmdp.rl import (
     PRECISIONS,
     RolloutEngine,
     compute_old_logprobs,
+    replay_routing,
     routing_mismatch_rate,
     training_inference_kl,
 )
@@ -185,6 +189,28 @@ def bench_precisions(model, gen_tokens: int) -> None:
               f"{row[1][0]:12.4f}")
 
 
+def bench_entropy_pass(model, repeats: int) -> None:
+    batch = RolloutEngine(model).generate(prompts(64, 8, 4), max_new_tokens=16,
+                                          eos_id=CONFIG.vocab_size - 1, generator=_generator(5))
+    batch = pack_first_fit_decreasing(batch, int(batch.sequence_lengths_total().max()))
+
+    def two_passes():
+        step = compute_old_logprobs(model, batch, "r3")
+        with torch.no_grad():
+            lp = model.next_token_logprobs(step, routing=replay_routing(step, "r3"))
+            return -torch.where(lp > -torch.inf, lp.exp() * lp, 0.0).sum(-1)
+
+    def one_pass():
+        return compute_old_logprobs(model, batch, "r3", entropy=True)[1]
+
+    t_two = t_one = float("inf")
+    for _ in range(2 * repeats):  # interleaved, as for the replay overhead
+        t_two = min(t_two, best_time(two_passes, 1))
+        t_one = min(t_one, best_time(one_pass, 1))
+    print(f"old_logprob pass + entropy, {batch.num_real_tokens} tokens: one pass "
+          f"{t_one / t_two:.2f}x the time of two passes")
+
+
 def main(argv: list[str] | None = None) -> None:
     global CONFIG, DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -222,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     bench_training(model, args.repeats, args.sequences, args.peak_tflops)
     print()
     bench_precisions(model, min(args.gen_tokens, 32))
+    print()
+    bench_entropy_pass(model, args.repeats)
 
 
 if __name__ == "__main__":

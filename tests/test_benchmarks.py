@@ -45,7 +45,8 @@ def test_gpu_checks_pass_on_the_cpu():
 
 def test_model_benchmark_quick():
     out = run_script("model.py", "--quick")
-    for promise in ("KV cache", "packed", "routing replay overhead", "model FLOPs", "fp8"):
+    for promise in ("KV cache", "packed", "routing replay overhead", "model FLOPs", "fp8",
+                    "one pass"):
         assert promise in out, out
 
 
