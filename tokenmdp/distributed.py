@@ -1,6 +1,6 @@
 """Counts of a whole optimizer step over data-parallel ranks, and DDP's loss scale.
 
-Aggregation is a per-token weight decided once per optimizer step (``../shared/DESIGN.md``):
+Aggregation is a per-token weight decided once per optimizer step (docs: Concepts › Aggregation):
 a token-mean divides by the loss tokens of *every* rank, a sequence-mean by the sequences of
 every rank. Each rank holds only its share of the step, so it all-reduces its counts first::
 
@@ -36,7 +36,7 @@ __all__ = ["StepCounts", "all_gather_objects", "all_reduce_counts", "all_reduce_
 class StepCounts(NamedTuple):
     """Counts of a whole optimizer step: loss tokens, and sequences with at least one of them.
 
-    These are ``N_tokens`` and ``S`` of the aggregation table (``../shared/ESTIMATORS.md``),
+    These are ``N_tokens`` and ``S`` of the aggregation table (docs: Concepts › Aggregation),
     the ``num_tokens`` and ``num_sequences`` arguments of ``estimators.prepare``.
     """
 

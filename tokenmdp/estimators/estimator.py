@@ -36,7 +36,7 @@ __all__ = ["Estimator", "advantage_rewards", "counted_mask", "loss",
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Estimator:
-    """A policy-gradient estimator as five independent parts (``../shared/DESIGN.md``)."""
+    """A policy-gradient estimator as five independent parts (docs: Concepts › Estimators)."""
 
     surrogate: Surrogate
     """Per-token term and its ratio (:mod:`~tokenmdp.estimators.surrogates`)."""

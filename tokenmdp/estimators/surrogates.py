@@ -1,6 +1,6 @@
 """Token-level surrogates: the per-token term whose weighted sum is the (negated) loss.
 
-Notation (``../shared/ESTIMATORS.md``): ``r_t = π_θ/π_old`` (staleness ratio, the one every clip
+Notation (docs: Concepts › Estimators): ``r_t = π_θ/π_old`` (staleness ratio, the one every clip
 uses), ``Â`` the token's advantage, ``sg`` stop-gradient, ``M_t`` the PPO mask. Each function
 takes the per-token tensors ``[R, C]`` and returns :class:`SurrogateTerms`: the term (a function
 of ``logprobs_RC`` for autograd) and, detached, where a clip or mask was active. Ratios are

@@ -1,6 +1,6 @@
 """Behaviour policies: staleness and training–inference discrepancy, dialled separately.
 
-Three log-probs per token (ESTIMATORS.md, after Zheng et al. 2025, arXiv 2512.01374): ``pi_theta``
+Three log-probs per token (docs: Concepts › Estimators, after Zheng et al. 2025, arXiv 2512.01374): ``pi_theta``
 (current), ``pi_old`` (training engine at the rollout weights) and ``mu`` (the inference engine that
 sampled). Here
 

@@ -8,7 +8,7 @@ Python loop over sequences) in float64, and is differentiable in the policy's pa
 * backward: ``V(s) = sum_a pi(a|s) Q(s, a)``, ``Q(s, a) = R(x, y)`` when ``a`` ends the response
   (EOS, or the ``L``-th token), else ``V(s . a)``.
 
-``J(theta) = sum_x D(x) sum_y pi_theta(y|x) R(x, y)`` (ESTIMATORS.md, "Setting").
+``J(theta) = sum_x D(x) sum_y pi_theta(y|x) R(x, y)`` (docs: Concepts › The exact world).
 
 Any module with ``token_logprobs(batch)`` / ``next_token_logprobs(batch)`` can be analysed; prefix
 policies (:mod:`tokenmdp.exact.policies`) take a fast path through ``level_logits``, other policies

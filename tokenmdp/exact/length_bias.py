@@ -1,7 +1,7 @@
 """Length bias, exactly: which objective each aggregation ascends, and how response length drifts.
 
 With the advantage ``A_i`` of a response ``y_i``, the aggregation's weight decides what is
-differentiated (ESTIMATORS.md, "Aggregation"; Liu et al. 2025, Dr. GRPO, arXiv 2503.20783):
+differentiated (docs: Concepts › Aggregation; Liu et al. 2025, Dr. GRPO, arXiv 2503.20783):
 
 * token-sum, sequence-mean of token-sums, constant: ``∇J`` up to a fixed scale;
 * sequence-mean of token-means (``1/|y_i|``): ``∇E[(R − b)/|y|]``, a different objective that

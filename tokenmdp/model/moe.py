@@ -3,7 +3,7 @@
 Router scores ``s = x W_r`` ``[N, E]``; the token goes to the top-K experts of ``s + b_sel``
 (``b_sel`` a selection-only bias, zero unless an inference engine perturbs it); gates are the
 softmax over the selected experts' scores, ``g_i = I_i e^{s_i} / Σ_j I_j e^{s_j}``
-(ESTIMATORS.md, "Routing replay"). Dropless: every token reaches all of its K experts.
+(docs: Concepts › The trainer world, "Routing replay"). Dropless: every token reaches all of its K experts.
 
 Replay substitutes the selection ``I`` and keeps the softmax over the *current* scores gathered
 from the full score vector, so the router keeps its gradient when K >= 2 (with K = 1 the gate is

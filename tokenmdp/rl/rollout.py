@@ -5,7 +5,7 @@ bf16, fp16, or fp32 compute on fp8-rounded weights) and samples with a KV cache,
 distribution it samples from, ``mu``, differs from the trainer's ``pi_old`` exactly as in
 production. It records ``log mu`` of every sampled token and its routing trace.
 
-Routing replay (ESTIMATORS.md, "Routing replay"):
+Routing replay (docs: Concepts › The trainer world):
 
 * ``NONE`` — every pass routes by itself;
 * ``R2`` — the ``old_logprob`` pass records the training engine's routing (``OLD_ROUTING``)

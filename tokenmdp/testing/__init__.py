@@ -1,6 +1,6 @@
 """Property-based invariance checks that users can point at their own loss function.
 
-Two properties every RL loss over packed batches should have (``../shared/DESIGN.md``):
+Two properties every RL loss over packed batches should have (docs: Concepts › The TokenBatch):
 
 1. **layout invariance**: the loss and its gradient do not change when the same step is laid
    out differently (padded, flat, packed at any row capacity, sequences renumbered);

@@ -1,7 +1,7 @@
 """Invariance checks for a loss over a :class:`~tokenmdp.batch.TokenBatch`: value and gradient.
 
 Layout is memory, never meaning, and aggregation is decided once per optimizer step
-(``../shared/DESIGN.md``). So a correct loss has
+(docs: Concepts › The TokenBatch). So a correct loss has
 
 * the same value and the same parameter gradient in every layout of a step (padded, flat,
   packed at any row capacity, sequences renumbered): :func:`check_layout_invariance`;
