@@ -169,7 +169,7 @@ def test_moments_reject_bad_arguments(small):
     with pytest.raises(ValueError, match="reference"):
         moments(mdp, pi, E.get("grpo"), group_size=2)
     with pytest.raises(TypeError, match="generator"):
-        moments(mdp, pi, E.get("reinforce"), group_size=2, method="monte_carlo")
+        moments(mdp, pi, E.get("reinforce"), group_size=2, method="monte_carlo", generator=0)
     with pytest.raises(TypeError, match="estimator"):
         moments(mdp, pi, "grpo", group_size=2)
     other = TokenMDP(3, 2, TokenCount(0))

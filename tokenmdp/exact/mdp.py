@@ -27,11 +27,31 @@ import numpy as np
 import torch
 
 from tokenmdp.batch import TokenBatch
+from tokenmdp.exact.budget import check_budget
 
 __all__ = ["TokenMDP"]
 
 #: Tolerance on ``sum(prompt_probs) == 1``.
 PROB_SUM_TOL = 1e-9
+#: Estimated bytes per token of the enumerated batch and the per-token tensors built on it
+#: (three long and two float64 fields, a mask, the policies' log-probs).
+BYTES_PER_TOKEN = 64
+
+
+def enumeration_bytes(num_sequences: int, max_prompt_len: int, max_len: int) -> int:
+    """Estimated memory of enumerating ``num_sequences`` sequences: the terminal layout
+    (``max_len + 3`` longs each) plus the padded batch (:data:`BYTES_PER_TOKEN` per token)."""
+    return num_sequences * (8 * (max_len + 3) + BYTES_PER_TOKEN * (max_prompt_len + max_len))
+
+
+def _token_id(t, prompt: int) -> int:
+    """``t`` as a token id: an integer (or an integral float), never a truncated fraction."""
+    if isinstance(t, torch.Tensor) and t.numel() == 1:
+        t = t.item()
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer, float, np.floating)) or \
+            (isinstance(t, (float, np.floating)) and not float(t).is_integer()):
+        raise ValueError(f"prompts: prompt {prompt} has a token id that is not an integer: {t!r}")
+    return int(t)
 
 
 class TokenMDP:
@@ -50,18 +70,23 @@ class TokenMDP:
         The prompts ``x`` (each at least one token). Default: one prompt ``(0,)``.
     prompt_probs : sequence of float, optional
         ``D(x)``; default uniform. Must be non-negative and sum to 1.
+    memory_budget : int or str, optional
+        Bytes the enumeration may need (default: :func:`~tokenmdp.exact.budget.memory_budget`,
+        2 GiB or ``$TOKENMDP_MEMORY_BUDGET``).
 
     Raises
     ------
     ValueError
         On ``vocab_size < 2``, ``max_len < 1``, empty or malformed prompts, probabilities that do
-        not sum to 1, or a reward returning a non-finite value (raised when rewards are first
-        evaluated, which is at construction).
+        not sum to 1, a world whose enumeration would exceed the memory budget (refused from the
+        closed-form count before allocating), or a reward returning a non-finite or non-numeric
+        value (raised when rewards are first evaluated, which is at construction).
     """
 
     def __init__(self, vocab_size: int, max_len: int, reward: Callable[[tuple, tuple], float], *,
                  prompts: Sequence[Sequence[int]] = ((0,),),
-                 prompt_probs: Sequence[float] | None = None) -> None:
+                 prompt_probs: Sequence[float] | None = None,
+                 memory_budget: int | str | None = None) -> None:
         if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool):
             raise TypeError(f"vocab_size: expected an int, got {type(vocab_size).__name__}")
         if vocab_size < 2:
@@ -73,7 +98,7 @@ class TokenMDP:
         if not callable(reward):
             raise TypeError(f"reward: expected a callable (prompt, response) -> float, got "
                             f"{type(reward).__name__}")
-        prompts = [tuple(int(t) for t in p) for p in prompts]
+        prompts = [tuple(_token_id(t, i) for t in p) for i, p in enumerate(prompts)]
         if not prompts:
             raise ValueError("prompts: need at least one prompt")
         for i, p in enumerate(prompts):
@@ -96,8 +121,12 @@ class TokenMDP:
                 raise ValueError(f"prompt_probs: must sum to 1, sum is {probs.sum():.12g}")
         self.vocab_size = int(vocab_size)
         self.max_len = int(max_len)
-        self.reward_fn = reward
         self.prompts: tuple[tuple[int, ...], ...] = tuple(prompts)
+        check_budget(f"vocab_size={self.vocab_size}, max_len={self.max_len}, "
+                     f"{len(prompts)} prompt(s)", self.num_sequences, "sequences",
+                     enumeration_bytes(self.num_sequences, max(map(len, prompts)), self.max_len),
+                     memory_budget=memory_budget)
+        self.reward_fn = reward
         self.prompt_probs = torch.as_tensor(probs, dtype=torch.float64)
         _ = self.rewards  # evaluate (and validate) the reward table now
 
@@ -202,7 +231,7 @@ class TokenMDP:
         else:
             rows = resp.tolist()
             values = torch.tensor(
-                [float(self.reward_fn(self.prompts[p], tuple(r[:n])))
+                [self._call_reward(self.prompts[p], tuple(r[:n]))
                  for p, r, n in zip(pidx.tolist(), rows, lengths.tolist())], dtype=torch.float64)
         if values.shape != (self.num_sequences,):
             raise ValueError(f"reward: vectorized form returned shape {tuple(values.shape)}, "
@@ -214,6 +243,14 @@ class TokenMDP:
                              f"prompt {self.prompts[int(pidx[i])]}, response "
                              f"{tuple(resp[i, :int(lengths[i])].tolist())}")
         return values
+
+    def _call_reward(self, prompt: tuple, response: tuple) -> float:
+        value = self.reward_fn(prompt, response)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"reward: returned {value!r:.40} ({type(value).__name__}), not a "
+                             f"number, for prompt {prompt}, response {response}") from None
 
     @property
     def terminal_prompt_index(self) -> torch.Tensor:

@@ -19,7 +19,8 @@ Methods:
   independent: ``E<g_1, g_2> = E_types <E[g_1 | types], E[g_2 | types]>``. The cost is
   ``n · C(K+G−2, G−1)`` instead of ``C(n+G−1, G)`` for ``n`` responses and ``K`` types;
 * ``"exact"``: the cheaper of the two; ``"monte_carlo"``: sampled batches with standard errors;
-  ``"auto"``: exact when at most ``max_exact_draws`` batches are needed, else Monte Carlo.
+  ``"auto"``: exact when at most ``max_exact_draws`` batches are needed and they fit the memory
+  budget (:mod:`~tokenmdp.exact.budget`), else Monte Carlo; ``Moments.method`` says which ran.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from tokenmdp.estimators import Estimator, counted_mask
+from tokenmdp.exact import budget
 from tokenmdp.exact.ground_truth import gradient, sequence_probs
 from tokenmdp.exact.group_draws import (
     count_draws,
@@ -47,6 +49,11 @@ __all__ = ["Moments", "moments", "exchangeability_cost"]
 
 #: Above this many batches to evaluate, ``method="auto"`` switches to Monte Carlo.
 MAX_EXACT_DRAWS = 200_000
+#: Seed of the Monte Carlo generator when ``moments`` is given none.
+DEFAULT_MC_SEED = 0
+#: Estimated bytes per evaluated batch and response of an exact method (ids, probabilities,
+#: the multiset tuples they are built from, per-draw coefficients).
+BYTES_PER_DRAWN_RESPONSE = 32
 #: The full covariance matrix is kept when the policy has at most this many parameters.
 MAX_COVARIANCE_DIM = 512
 METHODS = ("auto", "exact", "enumeration", "exchangeability", "monte_carlo")
@@ -217,7 +224,8 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
             method: str = "auto", num_samples: int | None = None,
             generator: torch.Generator | None = None, filter_groups: bool = False,
             max_exact_draws: int = MAX_EXACT_DRAWS,
-            jacobian: torch.Tensor | None = None) -> Moments:
+            jacobian: torch.Tensor | None = None,
+            memory_budget: int | str | None = None) -> Moments:
     """Mean, variance and bias of ``estimator``'s gradient against the true ``∇J``.
 
     Parameters
@@ -243,7 +251,9 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
     num_samples : int, optional
         Monte Carlo batches (default 4096).
     generator : torch.Generator, optional
-        Required for Monte Carlo.
+        Source of the Monte Carlo draws; default a CPU generator seeded with
+        :data:`DEFAULT_MC_SEED` (so ``method="auto"`` that resolves to Monte Carlo runs, and
+        repeats). ``Moments.method`` says which method ran.
     filter_groups : bool
         DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, Eq. 11): groups whose rewards
         are all equal are dropped and redrawn, so every group of the batch is drawn from the
@@ -255,12 +265,21 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
     jacobian : Tensor, optional
         :func:`~tokenmdp.exact.step_gradients.state_action_jacobian` of ``policy`` at its
         current parameters, when the caller compares many estimators at one ``θ``.
+    memory_budget : int or str, optional
+        Bytes an exact method may need (:func:`~tokenmdp.exact.budget.memory_budget`): an exact
+        method over it is refused before allocating (``"auto"`` then picks Monte Carlo).
 
     Returns
     -------
     Moments
         ``mean`` is ``E[ĝ] = Σ_batches P(batch) ĝ(batch)``; with one prompt per batch that is
         ``Σ_x D(x) E[ĝ | x]``.
+
+    Raises
+    ------
+    ValueError
+        Bad sizes or options, naming the argument; an exact method whose draws would exceed the
+        memory budget (naming ``group_size``, the count and the bytes).
     """
     check_policy(mdp, policy)
     behavior = policy if behavior is None else behavior
@@ -291,7 +310,7 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
             fields["ref_logprob"] = reference.token_logprobs(enum)
     steps = StepGradients(mdp, policy, estimator, fields, group_size, jacobian)
     method = _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
-                     max_exact_draws)
+                     max_exact_draws, memory_budget)
     d = steps.num_params
     keep_cov = d <= MAX_COVARIANCE_DIM
     true_grad = gradient(mdp, policy)
@@ -303,8 +322,11 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
         ids, prob, p_keep = exact_draws(mdp, mu_probs, group_size, prompts_per_batch,
                                         filter_groups)
     else:
+        if generator is None:
+            generator = torch.Generator().manual_seed(DEFAULT_MC_SEED)
         if not isinstance(generator, torch.Generator):
-            raise TypeError("generator: a torch.Generator is required for Monte Carlo")
+            raise TypeError(f"generator: expected a torch.Generator (or None), got "
+                            f"{type(generator).__name__}")
         num_samples = 4096 if num_samples is None else num_samples
         if num_samples < 2:
             raise ValueError(f"num_samples: need at least 2, got {num_samples}")
@@ -336,23 +358,32 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
 
 
 def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
-            max_exact_draws) -> str:
-    """Resolve ``auto`` / ``exact`` to a concrete method, and check the requested one applies."""
-    if method == "monte_carlo" or method == "enumeration":
+            max_exact_draws, memory_budget=None) -> str:
+    """Resolve ``auto`` / ``exact`` to a concrete method, check the requested one applies and
+    that an exact one fits the memory budget (refused from its closed-form count)."""
+    if method == "monte_carlo":
         return method
     exchangeable_ok = prompts_per_batch == 1 and not filter_groups and group_size >= 2
-    if method == "exchangeability":
-        if not exchangeable_ok:
-            raise ValueError("method: exchangeability needs prompts_per_batch=1, group_size >= 2 "
-                             "and no filter_groups")
-        return method
-    enumeration_cost = count_draws(mdp, group_size, prompts_per_batch)
-    exchange_cost = (exchangeability_cost(mdp, _type_keys(steps), mu_probs, group_size)
-                     if exchangeable_ok else float("inf"))
-    best = "enumeration" if enumeration_cost <= exchange_cost else "exchangeability"
-    if method == "exact" or min(enumeration_cost, exchange_cost) <= max_exact_draws:
-        return best
-    return "monte_carlo"
+    if method == "exchangeability" and not exchangeable_ok:
+        raise ValueError("method: exchangeability needs prompts_per_batch=1, group_size >= 2 "
+                         "and no filter_groups")
+    costs = {"enumeration": count_draws(mdp, group_size, prompts_per_batch)}
+    if exchangeable_ok and method != "enumeration":
+        costs["exchangeability"] = exchangeability_cost(mdp, _type_keys(steps), mu_probs,
+                                                        group_size)
+    if method in costs:
+        best = method
+    else:
+        best = min(costs, key=costs.get)
+    width = group_size * prompts_per_batch
+    need = costs[best] * (BYTES_PER_DRAWN_RESPONSE * width + 16)
+    if method == "auto" and (costs[best] > max_exact_draws or need > budget.memory_budget(
+            memory_budget)):
+        return "monte_carlo"
+    budget.check_budget(f"method={best}, group_size={group_size}, prompts_per_batch="
+                        f"{prompts_per_batch}, {mdp.responses_per_prompt} responses per prompt",
+                        costs[best], "batches", need, memory_budget=memory_budget)
+    return best
 
 
 def _exact_moments(mean, second, outer, true_grad, evaluated, p_keep, method) -> Moments:

@@ -1,0 +1,90 @@
+"""The memory budget of the exact world: refuse, from closed-form counts, before allocating.
+
+Every exact computation enumerates something whose size is known in closed form before any
+tensor exists: the ``P * sum_{k=0}^{L} b^k`` sequences of a :class:`~tokenmdp.exact.TokenMDP`,
+the ``(P * C(n + G - 1, G))^B`` group draws of :func:`~tokenmdp.exact.moments`. :func:`check_budget`
+compares an estimate of the memory such an enumeration needs with the budget and raises a
+``ValueError`` naming the sizes, the count and the bytes, instead of letting the allocator fail
+(or, worse, succeed slowly with swap).
+
+The budget is :data:`DEFAULT_MEMORY_BUDGET` (2 GiB), overridden by the environment variable
+``TOKENMDP_MEMORY_BUDGET`` (bytes, or a number with a ``K``/``M``/``G``/``T`` suffix, powers of
+1024: ``TOKENMDP_MEMORY_BUDGET=16G tokenmdp exact ...``) and, for one call, by the
+``memory_budget=`` argument of the functions that check it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+__all__ = ["DEFAULT_MEMORY_BUDGET", "BUDGET_ENV", "check_budget", "format_bytes", "memory_budget"]
+
+DEFAULT_MEMORY_BUDGET = 2 * 1024 ** 3
+"""Bytes an exact enumeration may need before it is refused (2 GiB)."""
+BUDGET_ENV = "TOKENMDP_MEMORY_BUDGET"
+"""Environment variable overriding :data:`DEFAULT_MEMORY_BUDGET`."""
+
+_SUFFIXES = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
+
+
+def _parse(text: str, name: str) -> int:
+    s = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = _SUFFIXES.get(s[-1:], 1)
+    number = s[:-1] if s[-1:] in _SUFFIXES else s
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a positive number of bytes (e.g. 8G), got {text!r}")
+    return int(value * scale)
+
+
+def memory_budget(override: int | float | str | None = None) -> int:
+    """The budget in bytes: ``override`` when given, else ``$TOKENMDP_MEMORY_BUDGET``, else
+    :data:`DEFAULT_MEMORY_BUDGET`.
+
+    Raises
+    ------
+    ValueError
+        ``memory_budget`` / ``TOKENMDP_MEMORY_BUDGET``: not a positive finite number of bytes.
+    """
+    if override is not None:
+        if isinstance(override, str):
+            return _parse(override, "memory_budget")
+        if isinstance(override, bool) or not isinstance(override, (int, float)) \
+                or not math.isfinite(override) or override <= 0:
+            raise ValueError(f"memory_budget: expected a positive number of bytes, got "
+                             f"{override!r}")
+        return int(override)
+    env = os.environ.get(BUDGET_ENV)
+    return DEFAULT_MEMORY_BUDGET if env is None else _parse(env, BUDGET_ENV)
+
+
+def format_bytes(n: int | float) -> str:
+    """``n`` bytes as ``"1.5 GiB"`` (or ``"3.2e+25 bytes"`` beyond TiB)."""
+    for unit, size in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2),
+                       ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}" if n < 1024 ** 5 else f"{float(n):.3g} bytes"
+    return f"{int(n)} bytes"
+
+
+_resolve = memory_budget
+
+
+def check_budget(what: str, count: int, unit: str, bytes_needed: int, *,
+                 memory_budget: int | float | str | None = None) -> None:
+    """Raise ``ValueError`` when ``bytes_needed`` exceeds the budget.
+
+    ``what`` names the sizes that set ``count`` (e.g. ``"vocab_size=1000, max_len=10"``),
+    ``unit`` what is counted (``"sequences"``); the message adds the bytes, the budget and how
+    to raise it.
+    """
+    budget = _resolve(memory_budget)
+    if bytes_needed > budget:
+        shown = f"{count:,}" if count < 10 ** 15 else f"{float(count):.3g}"
+        raise ValueError(f"{what}: {shown} {unit} would need about {format_bytes(bytes_needed)}, "
+                         f"over the exact world's memory budget of {format_bytes(budget)} "
+                         f"(raise it with {BUDGET_ENV}=... or memory_budget=)")
