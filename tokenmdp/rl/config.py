@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 
 import torch
@@ -104,7 +105,10 @@ class TrainConfig:
     out_dir: str = "runs/train"
     """Folder of ``metrics.jsonl`` and ``checkpoint.pt``."""
     resume: bool = False
-    """Continue from ``out_dir/checkpoint.pt`` (model, optimizer, RNG states, step)."""
+    """Continue from ``out_dir/checkpoint.pt`` (model, optimizer, RNG states, step); refused when
+    there is no checkpoint there."""
+    overwrite: bool = False
+    """Replace the run already in ``out_dir`` (without it, a non-empty ``out_dir`` is refused)."""
     checkpoint_every: int = 1
     """Write the checkpoint every this many steps and at the last (0: only at the last)."""
     max_nonfinite: int = 3
@@ -139,11 +143,27 @@ def _device_supports(device: torch.device, precision: str) -> str | None:
 
 def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
     """Raise ``ValueError`` naming the field on a configuration that cannot run (on
-    ``world_size`` data-parallel ranks)."""
+    ``world_size`` data-parallel ranks): unknown names, sizes out of range, float options that
+    are not finite numbers, negative seeds."""
     from tokenmdp import estimators
     from tokenmdp.rl.rollout import PRECISIONS, RoutingReplay
     from tokenmdp.rl.tasks import TASKS
 
+    for f in dataclasses.fields(cfg):  # every float option: a finite number (NaN, inf rejected)
+        value = getattr(cfg, f.name)
+        if f.type in ("float", "float | None") and value is not None and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value)):
+            raise ValueError(f"{f.name}: must be a finite number, got {value!r}")
+    for name in ("seed", "eval_seed"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ValueError(f"{name}: must be in [0, 1), got {getattr(cfg, name)}")
+    for name in ("weight_decay", "init_std"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
     if cfg.mode not in MODES:
         raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {cfg.mode!r}")
     if cfg.task not in TASKS:

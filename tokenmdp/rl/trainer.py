@@ -24,10 +24,13 @@ of steps 1-4, ``A = 1`` and a REINFORCE surrogate with token-mean aggregation: t
 mean NLL of the answer tokens.
 
 An update with a non-finite loss or gradient is skipped with a logged warning; after
-``max_nonfinite`` in a row the run stops (:class:`NonFiniteError`). A checkpoint (model,
-reference, optimizer, RNG states, step) is written atomically (temporary file, then
-``os.replace``); ``resume=True`` continues from it and, on the CPU with deterministic algorithms,
-repeats an uninterrupted run's metrics exactly (except :data:`TIMING_FIELDS`).
+``max_nonfinite`` in a row the run stops (:class:`NonFiniteError`). So does a run whose weights
+become non-finite after an update, or whose sampling distributions do (a diverging run: it
+stops, it does not crash). A checkpoint (model, reference, optimizer, RNG states, step) is
+written atomically and durably (:mod:`tokenmdp.rl.checkpoint`); ``resume=True`` continues from
+it and, on the CPU with deterministic algorithms, repeats an uninterrupted run's metrics exactly
+(except :data:`TIMING_FIELDS`). The run's folder is claimed before any work and locked while the
+run lasts (:mod:`tokenmdp.rl.run_folder`): a used folder needs ``resume`` or ``overwrite``.
 
 Scale-out (data parallel)::
 
@@ -79,6 +82,12 @@ from tokenmdp.distributed import (
 from tokenmdp.estimators import Aggregation, Estimator, KLPenalty, Reinforce, RewardAsAdvantage
 from tokenmdp.model import ModelConfig, MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing
+from tokenmdp.rl.checkpoint import (
+    CHECKPOINT,
+    check_model_config,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tokenmdp.rl.cli_commands import add_config_arguments, config_from_args, run_and_report
 from tokenmdp.rl.config import DTYPES, TrainConfig, check_config
 from tokenmdp.rl.logger import RunLogger
@@ -91,6 +100,7 @@ from tokenmdp.rl.rollout import (
     routing_mismatch_counts,
     training_inference_kl,
 )
+from tokenmdp.rl.run_folder import RunLock, check_run_folder
 from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
 from tokenmdp.rl.update import (
     TrainingPass,
@@ -112,24 +122,60 @@ SFT_ESTIMATOR = Estimator(name="sft", surrogate=Reinforce(), advantage=RewardAsA
                           aggregation=Aggregation.TOKEN_MEAN)
 """SFT as an estimator: ``A = R = 1``, weighted NLL, mean over the step's answer tokens."""
 
-_RESUMABLE = ("steps", "resume", "eval_every", "checkpoint_every", "out_dir")
+_RESUMABLE = ("steps", "resume", "overwrite", "eval_every", "checkpoint_every", "out_dir")
 """Settings a resumed run may change without a warning."""
-CHECKPOINT = "checkpoint.pt"
 
 
 class NonFiniteError(RuntimeError):
-    """Raised after ``max_nonfinite`` updates in a row had a non-finite loss or gradient."""
+    """Raised after ``max_nonfinite`` updates in a row had a non-finite loss or gradient, or when
+    the weights or the sampling distributions became non-finite (a diverging run)."""
+
+
+_NONFINITE_SAMPLING = "probability tensor contains"
+"""How ``torch.multinomial`` reports inf/NaN probabilities (a diverged model)."""
+
+
+@contextlib.contextmanager
+def _sampling_guard(step: int, what: str):
+    """Turn ``torch.multinomial``'s error on non-finite probabilities into :class:`NonFiniteError`."""
+    try:
+        yield
+    except RuntimeError as err:
+        if _NONFINITE_SAMPLING not in str(err):
+            raise
+        raise NonFiniteError(f"step {step}: the {what} sampling distribution is not finite (the "
+                             "model diverged; lower --lr)") from None
 
 
 # ---------------------------------------------------------------------------------- building
+def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
+    """The :class:`~tokenmdp.model.ModelConfig` of ``cfg`` for a vocabulary of ``vocab_size``."""
+    # TrainConfig repeats the ModelConfig fields it exposes (flat, one command-line option each)
+    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)
+              if hasattr(cfg, f.name)}
+    return ModelConfig(vocab_size=vocab_size, **shared)
+
+
+def load_init(cfg: TrainConfig, device: torch.device | str = "cpu") -> dict:
+    """The ``cfg.init`` checkpoint, checked to hold a model of ``cfg``'s shape.
+
+    Raises
+    ------
+    ValueError
+        ``init``: unreadable, not a trainer checkpoint, or a model of another shape.
+    """
+    state = load_checkpoint(cfg.init, option="init", device=device)
+    vocab = get_task(cfg.task).tokenizer.vocab_size
+    check_model_config(state, dataclasses.asdict(model_config(cfg, vocab)), option="init",
+                       path=cfg.init)
+    return state
+
+
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | str | None = None
                 ) -> MoETransformer:
     """The MoE transformer of ``cfg``, initialized from ``cfg.seed`` on ``device`` (default
     ``cfg.device``)."""
-    # TrainConfig repeats the ModelConfig fields it exposes (flat, one command-line option each)
-    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)
-              if hasattr(cfg, f.name)}
-    mc = ModelConfig(vocab_size=vocab_size, **shared)
+    mc = model_config(cfg, vocab_size)
     return MoETransformer(mc, generator=torch.Generator().manual_seed(cfg.seed),
                           device=cfg.device if device is None else device, dtype=DTYPES[cfg.dtype])
 
@@ -149,7 +195,8 @@ def build_estimator(cfg: TrainConfig) -> Estimator:
 class _Run:
     """Everything a run carries from step to step (all of it is in the checkpoint)."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device | str | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, device: torch.device | str | None = None, *,
+                 init_state: dict | None = None) -> None:
         self.cfg = cfg
         self.rank, self.world = rank_and_world_size()
         self.device = torch.device(cfg.device if device is None else device)
@@ -161,10 +208,7 @@ class _Run:
         self.capacity = self.task.max_prompt_len() + cfg.max_new_tokens
         self.model = build_model(cfg, self.tok.vocab_size, self.device)
         if cfg.init is not None:
-            state = torch.load(cfg.init, map_location=self.device, weights_only=True)
-            if state["model_config"] != dataclasses.asdict(self.model.config):
-                raise ValueError(f"init: {cfg.init} holds a model of another shape: "
-                                 f"{state['model_config']}")
+            state = load_init(cfg, self.device) if init_state is None else init_state
             self.model.load_state_dict(state["model"])
         self.reference = MoETransformer(self.model.config, generator=torch.Generator(),
                                         device=self.device, dtype=self.dtype)
@@ -200,12 +244,12 @@ class _Run:
                  "nonfinite_run": self.nonfinite_run, "rng": rngs,
                  "model_config": dataclasses.asdict(self.model.config),
                  "config": dataclasses.asdict(self.cfg)}
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # atomic: a reader sees the old or the new checkpoint, never half
+        save_checkpoint(state, path)  # atomic: a reader sees the old or the new one, never half
 
     def load(self, path: Path) -> None:
-        state = torch.load(path, map_location=self.device, weights_only=True)
+        state = load_checkpoint(path, option="resume", device=self.device)
+        check_model_config(state, dataclasses.asdict(self.model.config), option="resume",
+                           path=path)
         if len(state["rng"]) != self.world:
             raise ValueError(f"resume: {path} was written by {len(state['rng'])} rank(s), this "
                              f"run has {self.world}; resume with the same number of ranks")
@@ -327,6 +371,10 @@ class _Run:
                 continue
             self.nonfinite_run = 0
             self.optimizer.step()
+            if not all(bool(torch.isfinite(p).all()) for p in params):
+                raise NonFiniteError(f"step {self.step}: the weights became non-finite after an "
+                                     f"update (lr {self.optimizer.param_groups[0]['lr']:g}); "
+                                     "stopping (lower --lr)")
             losses.append(global_loss)
             norms.append(float(norm))
             metrics.append(m)
@@ -431,18 +479,25 @@ def train(cfg: TrainConfig) -> list[dict]:
     Raises
     ------
     ValueError
-        On a bad configuration (:func:`~tokenmdp.rl.config.check_config`), before any work.
+        On a bad configuration (:func:`~tokenmdp.rl.config.check_config`), an unreadable
+        ``init`` checkpoint or an unusable ``out_dir`` (:func:`~tokenmdp.rl.run_folder.check_run_folder`),
+        before any work; on a checkpoint that cannot be written.
     NonFiniteError
-        After ``max_nonfinite`` consecutive non-finite updates.
+        After ``max_nonfinite`` consecutive non-finite updates, or when the weights or the
+        sampling distributions become non-finite.
     """
     check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     out = Path(cfg.out_dir)
     ckpt = out / CHECKPOINT
+    init_state = load_init(cfg) if cfg.init is not None else None
+    check_run_folder(out, resume=cfg.resume, overwrite=cfg.overwrite)  # every rank, read-only
+    lead_process = int(os.environ.get("RANK", "0")) == 0
+    lock = RunLock(out, overwrite=cfg.overwrite) if lead_process else contextlib.nullcontext()
     rows = []
-    with _process_group(cfg) as device, _deterministic(cfg.deterministic):
-        run = _Run(cfg, device)
+    with lock, _process_group(cfg) as device, _deterministic(cfg.deterministic):
+        run = _Run(cfg, device, init_state=init_state)
         lead = run.rank == 0
-        if cfg.resume and ckpt.exists():
+        if cfg.resume:
             run.load(ckpt)
             if lead:
                 log.info("resumed from %s at step %d", ckpt, run.step)
@@ -456,7 +511,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                 for group in run.optimizer.param_groups:
                     group["lr"] = lr
                 if cfg.mode == "rl":
-                    batch, stats = run.rollout()
+                    with _sampling_guard(run.step, "rollout"):
+                        batch, stats = run.rollout()
                 else:
                     batch, stats = run.demonstrations()
                 (tokens,) = all_reduce_floats([batch.num_real_tokens], device=run.device)
@@ -465,7 +521,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                 last = run.step == cfg.steps - 1
                 run.step += 1
                 if last or (cfg.eval_every and run.step % cfg.eval_every == 0):
-                    row["eval_accuracy"] = run.evaluate()
+                    with _sampling_guard(run.step - 1, "evaluation"):
+                        row["eval_accuracy"] = run.evaluate()
                 row["time_s"] = time.perf_counter() - t0
                 row["tokens_per_s"] = row["tokens"] / max(row["time_s"], 1e-9)
                 logger.log(row)

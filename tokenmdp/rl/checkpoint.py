@@ -1,0 +1,116 @@
+"""The trainer's checkpoint file: written atomically and durably, read back with clear errors.
+
+:func:`save_checkpoint` writes a temporary file next to the checkpoint, ``fsync``\\ s it, renames
+it over the checkpoint (``os.replace``, atomic on POSIX) and ``fsync``\\ s the folder, so a reader
+(or a run killed at any moment) sees the previous checkpoint or the new one, never half of one.
+A write that fails (a full disk: ``enforce fail at inline_container.cc``, a read-only folder)
+removes its temporary file, keeps the previous checkpoint and raises ``ValueError`` naming the
+file.
+
+:func:`load_checkpoint` reads a checkpoint for ``--init`` or ``--resume`` and raises
+``ValueError`` with one line naming the option, the file and what is wrong (missing, a folder,
+not a PyTorch checkpoint, truncated, not written by the trainer, a model of another shape).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["CHECKPOINT", "REQUIRED_KEYS", "check_model_config", "load_checkpoint",
+           "save_checkpoint"]
+
+CHECKPOINT = "checkpoint.pt"
+"""Name of the checkpoint inside a run's folder."""
+REQUIRED_KEYS = {"init": ("model", "model_config"),
+                 "resume": ("model", "reference", "optimizer", "step", "nonfinite_run", "rng",
+                            "model_config", "config")}
+"""Entries a checkpoint needs for ``--init`` (the weights) and for ``--resume`` (everything)."""
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform without directory descriptors: the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict, path: str | Path) -> None:
+    """Write ``state`` to ``path`` atomically (temporary file, ``fsync``, ``os.replace``).
+
+    Raises
+    ------
+    ValueError
+        ``checkpoint``: the write failed (the message says why); the previous checkpoint at
+        ``path`` is untouched and no temporary file is left.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
+        tmp.unlink(missing_ok=True)
+        why = err.strerror if isinstance(err, OSError) and err.strerror else \
+            str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint: could not write {path}: {why} (the previous checkpoint, "
+                         "if any, is kept)") from None
+    except BaseException:  # KeyboardInterrupt mid-write: no stray temporary file either
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def load_checkpoint(path: str | Path, *, option: str, device: torch.device | str = "cpu") -> dict:
+    """The trainer checkpoint at ``path``, for ``option`` ("init" or "resume").
+
+    Raises
+    ------
+    ValueError
+        ``<option>``: ``path`` is missing, a folder, unreadable, not a PyTorch checkpoint (or a
+        truncated one), or lacks the entries ``option`` needs (:data:`REQUIRED_KEYS`).
+    """
+    path = Path(path)
+    where = f"{option}: {path}"
+    if not path.exists():
+        raise ValueError(f"{where}: no such file")
+    if path.is_dir():
+        raise ValueError(f"{where}: is a folder, not a checkpoint file")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except OSError as err:
+        raise ValueError(f"{where}: cannot read it: {err.strerror or err}") from None
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError,
+            KeyError, IndexError, TypeError, AttributeError):
+        raise ValueError(f"{where}: not a readable PyTorch checkpoint (a truncated write, or "
+                         "another kind of file)") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{where}: holds a {type(state).__name__}, not a trainer checkpoint")
+    missing = [k for k in REQUIRED_KEYS[option] if k not in state]
+    if missing:
+        raise ValueError(f"{where}: not a trainer checkpoint (no {', '.join(missing)})")
+    return state
+
+
+def check_model_config(state: dict, expected: dict, *, option: str, path: str | Path) -> None:
+    """Raise ``ValueError`` naming the differing model settings when the checkpoint's model is
+    not of the shape ``expected`` (``dataclasses.asdict`` of the run's ``ModelConfig``)."""
+    saved = state["model_config"]
+    if saved == expected:
+        return
+    diff = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+    shown = ", ".join(f"{k}={saved.get(k)!r} (run: {expected.get(k)!r})" for k in diff)
+    raise ValueError(f"{option}: {path} holds a model of another shape: {shown}")
