@@ -1,52 +1,43 @@
-"""Write ``01_the_exact_token_mdp.ipynb`` (without outputs) from the cells below.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-Run ``python tutorials/_build_01.py``; edit the cells here, not the notebook, so the two never
-disagree. The notebook is executed by ``pytest --nbmake``.
-"""
+# %% [markdown]
+# # Tutorial 1 — The exact token MDP
+#
+# Reinforcement learning on a language model is usually explained with samples: draw some
+# responses, score them, push up the log-probability of the good ones. Whether a given recipe
+# estimates the right thing is then a matter of belief, because the thing it should estimate, the
+# gradient of the expected reward, is never seen.
+#
+# In this notebook we make the environment small enough to **enumerate every response**. Then the
+# expected reward $J(\theta)$ and its gradient $\nabla J(\theta)$ are sums we can compute exactly,
+# and every estimator can be put next to the truth. We will
+#
+# 1. define the token MDP and count its responses in closed form;
+# 2. draw a tiny one as a prefix tree, with the policy's probabilities on the edges;
+# 3. compute $\nabla J$ three independent ways and watch them agree to rounding error;
+# 4. check the lemma that makes policy gradients work,
+#    $\mathbb{E}_{a\sim\pi}[\nabla\log\pi(a|s)] = 0$, at every state;
+# 5. put a Monte Carlo REINFORCE estimate, with its error bars, next to the exact gradient;
+# 6. finish with two exercises whose answers the notebook checks.
+#
+# Everything runs on a CPU in float64, in well under a minute.
 
-from __future__ import annotations
+# %% [markdown]
+# ## Setup
+#
+# All randomness comes from explicitly seeded `torch.Generator`s, so every number below is
+# reproducible. The package computes in float64 throughout.
 
-from pathlib import Path
-
-from _notebook import NotebookBuilder
-
-NOTEBOOK = NotebookBuilder()
-md, code = NOTEBOOK.md, NOTEBOOK.code
-
-
-# ============================================================================ introduction
-md(r"""
-# Tutorial 1 — The exact token MDP
-
-Reinforcement learning on a language model is usually explained with samples: draw some
-responses, score them, push up the log-probability of the good ones. Whether a given recipe
-estimates the right thing is then a matter of belief, because the thing it should estimate, the
-gradient of the expected reward, is never seen.
-
-In this notebook we make the environment small enough to **enumerate every response**. Then the
-expected reward $J(\theta)$ and its gradient $\nabla J(\theta)$ are sums we can compute exactly,
-and every estimator can be put next to the truth. We will
-
-1. define the token MDP and count its responses in closed form;
-2. draw a tiny one as a prefix tree, with the policy's probabilities on the edges;
-3. compute $\nabla J$ three independent ways and watch them agree to rounding error;
-4. check the lemma that makes policy gradients work,
-   $\mathbb{E}_{a\sim\pi}[\nabla\log\pi(a|s)] = 0$, at every state;
-5. put a Monte Carlo REINFORCE estimate, with its error bars, next to the exact gradient;
-6. finish with two exercises whose answers the notebook checks.
-
-Everything runs on a CPU in float64, in well under a minute.
-""")
-
-md(r"""
-## Setup
-
-All randomness comes from explicitly seeded `torch.Generator`s, so every number below is
-reproducible. The package computes in float64 throughout.
-""")
-
-code(r"""
-%matplotlib inline
+# %%
+# %matplotlib inline
 import copy
 import itertools
 import math
@@ -79,53 +70,50 @@ print("tokenmdp", tokenmdp.__version__, "| torch", torch.__version__)
 
 # Every tensor here is tiny: one CPU thread avoids the cost of synchronizing several.
 torch.set_num_threads(1)
-""")
 
-# ============================================================================ 1. the MDP
-md(r"""
-## 1. The token MDP
+# %% [markdown]
+# ## 1. The token MDP
+#
+# A language model answering a prompt is a sequential decision process with a very simple
+# structure.
+#
+# * A **prompt** $x$ is drawn from a finite distribution $D(x)$.
+# * The **state** at step $t$ is everything the model conditions on: $s_t = (x, y_{<t})$, the
+#   prompt followed by the response prefix written so far.
+# * The **action** is the next token, $a_t = y_t \in \{0, \dots, V-1\}$. Token $V-1$ is **EOS**.
+# * The **transition** is deterministic: $s_{t+1} = s_t \cdot a_t$ (append the token).
+# * The episode **ends** when the policy emits EOS, or is **truncated** when it reaches $L$
+#   response tokens (`max_len`) without an EOS.
+# * The **reward** $R(x, y)$ arrives once, at the end; every intermediate reward is 0 and nothing
+#   is discounted.
+#
+# A policy $\pi_\theta(a \mid s)$ gives the probability of a whole response as a product of
+# next-token probabilities, and the objective is the expected reward:
+#
+# $$
+# \pi_\theta(y \mid x) = \prod_{t=1}^{|y|} \pi_\theta(y_t \mid x, y_{<t}),
+# \qquad
+# J(\theta) = \sum_x D(x) \sum_y \pi_\theta(y \mid x)\, R(x, y).
+# $$
+#
+# **How many responses are there?** EOS can only be the last token, so with $b = V - 1$ non-EOS
+# tokens a response is either $k$ non-EOS tokens followed by EOS ($k = 0, \dots, L-1$; there are
+# $b^k$ of them) or $L$ non-EOS tokens cut at the limit ($b^L$ of them). Per prompt,
+#
+# $$
+# N(V, L) = \sum_{k=0}^{L} b^k = \frac{b^{L+1} - 1}{b - 1} \quad (b > 1),
+# \qquad N = L + 1 \quad (b = 1).
+# $$
+#
+# The policy acts at the $\sum_{k=0}^{L-1} b^k$ prefixes per prompt that have not ended yet: those
+# are the non-terminal states.
+#
+# Our reward: the prompt is a single token, and the response earns **+1 for every token that copies
+# the prompt token** and **−1 if it is truncated** (it never said EOS). Any Python callable
+# `reward(prompt, response) -> float` on token tuples will do; the MDP evaluates it once on every
+# response and stores the table.
 
-A language model answering a prompt is a sequential decision process with a very simple
-structure.
-
-* A **prompt** $x$ is drawn from a finite distribution $D(x)$.
-* The **state** at step $t$ is everything the model conditions on: $s_t = (x, y_{<t})$, the
-  prompt followed by the response prefix written so far.
-* The **action** is the next token, $a_t = y_t \in \{0, \dots, V-1\}$. Token $V-1$ is **EOS**.
-* The **transition** is deterministic: $s_{t+1} = s_t \cdot a_t$ (append the token).
-* The episode **ends** when the policy emits EOS, or is **truncated** when it reaches $L$
-  response tokens (`max_len`) without an EOS.
-* The **reward** $R(x, y)$ arrives once, at the end; every intermediate reward is 0 and nothing
-  is discounted.
-
-A policy $\pi_\theta(a \mid s)$ gives the probability of a whole response as a product of
-next-token probabilities, and the objective is the expected reward:
-
-$$
-\pi_\theta(y \mid x) = \prod_{t=1}^{|y|} \pi_\theta(y_t \mid x, y_{<t}),
-\qquad
-J(\theta) = \sum_x D(x) \sum_y \pi_\theta(y \mid x)\, R(x, y).
-$$
-
-**How many responses are there?** EOS can only be the last token, so with $b = V - 1$ non-EOS
-tokens a response is either $k$ non-EOS tokens followed by EOS ($k = 0, \dots, L-1$; there are
-$b^k$ of them) or $L$ non-EOS tokens cut at the limit ($b^L$ of them). Per prompt,
-
-$$
-N(V, L) = \sum_{k=0}^{L} b^k = \frac{b^{L+1} - 1}{b - 1} \quad (b > 1),
-\qquad N = L + 1 \quad (b = 1).
-$$
-
-The policy acts at the $\sum_{k=0}^{L-1} b^k$ prefixes per prompt that have not ended yet: those
-are the non-terminal states.
-
-Our reward: the prompt is a single token, and the response earns **+1 for every token that copies
-the prompt token** and **−1 if it is truncated** (it never said EOS). Any Python callable
-`reward(prompt, response) -> float` on token tuples will do; the MDP evaluates it once on every
-response and stores the table.
-""")
-
-code(r"""
+# %%
 V, L = 3, 3          # tokens 0 and 1, and EOS = 2; at most 3 response tokens
 EOS = V - 1
 
@@ -145,20 +133,19 @@ print(f"{'prompt':>7} {'response':>14} {'length':>6} {'R(x,y)':>7}")
 for (x, y), r in zip(mdp.responses()[:15], mdp.rewards[:15].tolist(), strict=True):
     shown = " ".join("EOS" if t == EOS else str(t) for t in y)
     print(f"{str(x):>7} {shown:>14} {len(y):>6} {r:>+7.0f}")
-""")
 
-md(r"""
-The responses come in a fixed canonical order: prompt first, then EOS after 0, 1, …, $L-1$
-tokens, then the truncated ones. Every per-response tensor in `tokenmdp.exact` (rewards,
-probabilities) uses this order.
 
-Now the count. We check the closed form three ways: against `mdp.num_sequences`, against the
-length of the list of responses, and against a brute-force filter of *all* token strings of length
-1 to $L$ (a string is a valid response if EOS appears only as its last token, and it either ends
-with EOS or has length $L$).
-""")
+# %% [markdown]
+# The responses come in a fixed canonical order: prompt first, then EOS after 0, 1, …, $L-1$
+# tokens, then the truncated ones. Every per-response tensor in `tokenmdp.exact` (rewards,
+# probabilities) uses this order.
+#
+# Now the count. We check the closed form three ways: against `mdp.num_sequences`, against the
+# length of the list of responses, and against a brute-force filter of *all* token strings of length
+# 1 to $L$ (a string is a valid response if EOS appears only as its last token, and it either ends
+# with EOS or has length $L$).
 
-code(r"""
+# %%
 def closed_form_count(V, L):
     b = V - 1
     return L + 1 if b == 1 else (b ** (L + 1) - 1) // (b - 1)
@@ -194,29 +181,25 @@ print(f"\nour MDP: {mdp.num_prompts} prompts x {per_prompt} responses = {mdp.num
 b_real, L_real = 150000 - 1, 4000
 digits = (L_real + 1) * math.log10(b_real) - math.log10(b_real - 1)
 print(f"V = 150000, L = 4000: N has about {digits:,.0f} decimal digits")
-""")
 
-md(r"""
-The count grows like $b^L$: with a real vocabulary ($V \approx 10^5$) and a few thousand tokens it
-has tens of thousands of digits. That is why practice only ever sees samples, and why the exact
-world has to stay tiny. Tiny is enough: every identity we check below is an algebraic fact that
-does not care about size.
-""")
+# %% [markdown]
+# The count grows like $b^L$: with a real vocabulary ($V \approx 10^5$) and a few thousand tokens it
+# has tens of thousands of digits. That is why practice only ever sees samples, and why the exact
+# world has to stay tiny. Tiny is enough: every identity we check below is an algebraic fact that
+# does not care about size.
 
-# ============================================================================ 2. the tree
-md(r"""
-## 2. A tiny MDP drawn as a prefix tree
+# %% [markdown]
+# ## 2. A tiny MDP drawn as a prefix tree
+#
+# Each state is a node; each action is an edge labelled with its token and its probability
+# $\pi(a \mid s)$; each full response is a leaf, labelled with its reward and its probability
+# $\pi(y \mid x)$, the product of the edge probabilities on its path.
+#
+# The policy is a `TabularPolicy`: a free vector of $V$ logits at every state, so
+# $\pi(\cdot \mid s) = \mathrm{softmax}(\theta_s)$. It has `num_states × V` parameters, here
+# $14 \times 3 = 42$. Its initial logits are drawn from $\mathcal{N}(0, 1)$ with a seeded generator.
 
-Each state is a node; each action is an edge labelled with its token and its probability
-$\pi(a \mid s)$; each full response is a leaf, labelled with its reward and its probability
-$\pi(y \mid x)$, the product of the edge probabilities on its path.
-
-The policy is a `TabularPolicy`: a free vector of $V$ logits at every state, so
-$\pi(\cdot \mid s) = \mathrm{softmax}(\theta_s)$. It has `num_states × V` parameters, here
-$14 \times 3 = 42$. Its initial logits are drawn from $\mathcal{N}(0, 1)$ with a seeded generator.
-""")
-
-code(r"""
+# %%
 policy = TabularPolicy(mdp, generator=torch.Generator().manual_seed(0), init_std=1.0)
 print("parameters:", sum(p.numel() for p in policy.parameters()), "=", tuple(policy.table.shape))
 
@@ -282,22 +265,20 @@ fig.suptitle("Prefix tree: circles are states, squares are full responses "
              "(colour = reward), edges are tokens with π(a|s)")
 fig.tight_layout()
 plt.show()
-""")
 
-md(r"""
-Reading the tree: the root of each panel is the prompt. From any circle, the three edges are the
-three tokens; the EOS edge always ends at a square. A prefix of $L = 3$ non-EOS tokens has no next
-step: it is itself a full, truncated response, so it is drawn as a square too, and its reward
-carries the −1 truncation penalty.
+# %% [markdown]
+# Reading the tree: the root of each panel is the prompt. From any circle, the three edges are the
+# three tokens; the EOS edge always ends at a square. A prefix of $L = 3$ non-EOS tokens has no next
+# step: it is itself a full, truncated response, so it is drawn as a square too, and its reward
+# carries the −1 truncation penalty.
+#
+# Two numbers can be read off the tree by hand. The leaf probabilities of one prompt sum to 1,
+# and the per-prompt objective $J_x = \sum_y \pi(y \mid x) R(x, y)$ is the probability-weighted sum
+# of the leaf rewards. The value function computed by backward recursion,
+# $V(s) = \sum_a \pi(a \mid s)\, Q(s, a)$, must give the same number at the root, and
+# $J = \sum_x D(x) J_x$ must match `objective`.
 
-Two numbers can be read off the tree by hand. The leaf probabilities of one prompt sum to 1,
-and the per-prompt objective $J_x = \sum_y \pi(y \mid x) R(x, y)$ is the probability-weighted sum
-of the leaf rewards. The value function computed by backward recursion,
-$V(s) = \sum_a \pi(a \mid s)\, Q(s, a)$, must give the same number at the root, and
-$J = \sum_x D(x) J_x$ must match `objective`.
-""")
-
-code(r"""
+# %%
 with torch.no_grad():
     probs_S = sequence_probs(mdp, policy)                     # π(y|x) of every response
     tables = values(mdp, policy)                              # V and Q at every state
@@ -318,54 +299,52 @@ for p in range(mdp.num_prompts):
 print(f"\nJ = Σ_x D(x) J_x = {J_from_leaves:.12f}   objective(mdp, policy) = {float(J_exact):.12f}"
       f"   difference = {J_from_leaves - float(J_exact):.1e}")
 assert abs(J_from_leaves - float(J_exact)) < EXACT_TOL
-""")
 
-# ============================================================================ 3. three routes
-md(r"""
-## 3. The gradient, three independent ways
 
-### Route 1: autograd through the exact objective
+# %% [markdown]
+# ## 3. The gradient, three independent ways
+#
+# ### Route 1: autograd through the exact objective
+#
+# `objective(mdp, policy)` builds $J(\theta)$ as a differentiable float64 scalar: it walks the
+# prefix tree level by level, accumulating $\log \pi(\text{prefix})$, and sums
+# $D(x)\,\pi(y\mid x)\,R(x,y)$ over every leaf. `gradient(mdp, policy)` is autograd of that scalar,
+# flattened into one vector in `policy.parameters()` order.
+#
+# ### Route 2: the REINFORCE loss on the full enumeration
+#
+# The log-derivative identity $\nabla \pi = \pi\, \nabla \log \pi$ turns the gradient into an
+# expectation:
+#
+# $$
+# \nabla J = \sum_x D(x) \sum_y \pi_\theta(y\mid x)\, R(x,y)\, \nabla \log \pi_\theta(y \mid x),
+# \qquad
+# \log \pi_\theta(y\mid x) = \sum_t \log \pi_\theta(y_t \mid x, y_{<t}).
+# $$
+#
+# So $\nabla J$ is the gradient of a **weighted negative log-likelihood**, provided the weights
+# $w_y = D(x)\,\pi_\theta(y \mid x)$ are held constant (detached):
+#
+# $$
+# \mathcal{L}(\theta) = -\sum_{(x, y)} \underbrace{w_y}_{\text{detached}} \, R(x, y)
+#   \sum_t \log \pi_\theta(y_t \mid x, y_{<t}),
+# \qquad \nabla J = -\nabla \mathcal{L}.
+# $$
+#
+# This is exactly the shape of a pretraining loss, with the reward as the per-token weight. We
+# compute it the way a trainer would: `mdp.enumerate()` returns a `TokenBatch` holding every
+# response once (one per row), `policy.token_logprobs(batch)` gives $\log\pi(y_t \mid x, y_{<t})$
+# for every response token (0 on prompt tokens and padding), and `batch.sequence_sum` adds them up
+# per sequence. This route never calls `objective`; it shares with route 1 only the policy's logits.
+#
+# ### Route 3: central finite differences
+#
+# $\partial J / \partial \theta_j \approx \big(J(\theta + h e_j) - J(\theta - h e_j)\big) / 2h$, one
+# coordinate at a time, using only *values* of $J$: no autograd at all. The error is
+# $O(h^2)$ from truncation plus $O(\varepsilon / h)$ from rounding, about $10^{-10}$ for
+# $h = 10^{-5}$.
 
-`objective(mdp, policy)` builds $J(\theta)$ as a differentiable float64 scalar: it walks the
-prefix tree level by level, accumulating $\log \pi(\text{prefix})$, and sums
-$D(x)\,\pi(y\mid x)\,R(x,y)$ over every leaf. `gradient(mdp, policy)` is autograd of that scalar,
-flattened into one vector in `policy.parameters()` order.
-
-### Route 2: the REINFORCE loss on the full enumeration
-
-The log-derivative identity $\nabla \pi = \pi\, \nabla \log \pi$ turns the gradient into an
-expectation:
-
-$$
-\nabla J = \sum_x D(x) \sum_y \pi_\theta(y\mid x)\, R(x,y)\, \nabla \log \pi_\theta(y \mid x),
-\qquad
-\log \pi_\theta(y\mid x) = \sum_t \log \pi_\theta(y_t \mid x, y_{<t}).
-$$
-
-So $\nabla J$ is the gradient of a **weighted negative log-likelihood**, provided the weights
-$w_y = D(x)\,\pi_\theta(y \mid x)$ are held constant (detached):
-
-$$
-\mathcal{L}(\theta) = -\sum_{(x, y)} \underbrace{w_y}_{\text{detached}} \, R(x, y)
-  \sum_t \log \pi_\theta(y_t \mid x, y_{<t}),
-\qquad \nabla J = -\nabla \mathcal{L}.
-$$
-
-This is exactly the shape of a pretraining loss, with the reward as the per-token weight. We
-compute it the way a trainer would: `mdp.enumerate()` returns a `TokenBatch` holding every
-response once (one per row), `policy.token_logprobs(batch)` gives $\log\pi(y_t \mid x, y_{<t})$
-for every response token (0 on prompt tokens and padding), and `batch.sequence_sum` adds them up
-per sequence. This route never calls `objective`; it shares with route 1 only the policy's logits.
-
-### Route 3: central finite differences
-
-$\partial J / \partial \theta_j \approx \big(J(\theta + h e_j) - J(\theta - h e_j)\big) / 2h$, one
-coordinate at a time, using only *values* of $J$: no autograd at all. The error is
-$O(h^2)$ from truncation plus $O(\varepsilon / h)$ from rounding, about $10^{-10}$ for
-$h = 10^{-5}$.
-""")
-
-code(r"""
+# %%
 def grad_autograd(mdp, policy):
     return gradient(mdp, policy)
 
@@ -402,16 +381,15 @@ g_auto = grad_autograd(mdp, policy)
 g_enum = grad_reinforce_enumerated(mdp, policy)
 g_fd = grad_finite_differences(mdp, policy)
 print("∇J has", g_auto.numel(), "coordinates")
-""")
 
-md(r"""
-For a tabular policy, coordinate $j$ is the logit of token $j \bmod V$ at state $\lfloor j/V
-\rfloor$, so we can name every coordinate. States are numbered level by level (depth 0 of every
-prompt, then depth 1, …), which is the order of `mdp.level_prefixes(k)`. Here are the
-coordinates of the first four states, the three routes side by side, and the differences.
-""")
 
-code(r"""
+# %% [markdown]
+# For a tabular policy, coordinate $j$ is the logit of token $j \bmod V$ at state $\lfloor j/V
+# \rfloor$, so we can name every coordinate. States are numbered level by level (depth 0 of every
+# prompt, then depth 1, …), which is the order of `mdp.level_prefixes(k)`. Here are the
+# coordinates of the first four states, the three routes side by side, and the differences.
+
+# %%
 def state_names(mdp):
     # "x | prefix" for every non-terminal state, in state-id order
     names = []
@@ -436,21 +414,19 @@ print(f"\nmax over all {g_auto.numel()} coordinates: |autograd - REINFORCE| = "
       f"(largest |∇J_j| = {float(g_auto.abs().max()):.3f})")
 assert torch.allclose(g_auto, g_enum, rtol=0, atol=EXACT_TOL)
 assert torch.allclose(g_auto, g_fd, rtol=0, atol=FD_TOL)
-""")
 
-md(r"""
-The two exact routes agree to the last few bits of a double; finite differences agree to
-$10^{-12}$–$10^{-11}$, as predicted. Notice also that the three logits of one state have
-gradients summing to zero: adding a constant to all logits of a state does not change the
-softmax, so $J$ cannot change along that direction.
+# %% [markdown]
+# The two exact routes agree to the last few bits of a double; finite differences agree to
+# $10^{-12}$–$10^{-11}$, as predicted. Notice also that the three logits of one state have
+# gradients summing to zero: adding a constant to all logits of a state does not change the
+# softmax, so $J$ cannot change along that direction.
+#
+# Nothing above used the tabular structure. The same three routes work for any policy that maps a
+# `TokenBatch` to token log-probs: a log-linear policy whose weights are **shared across states**,
+# and a small MLP. Sharing makes the check stronger, because one parameter now affects many states
+# at once.
 
-Nothing above used the tabular structure. The same three routes work for any policy that maps a
-`TokenBatch` to token log-probs: a log-linear policy whose weights are **shared across states**,
-and a small MLP. Sharing makes the check stronger, because one parameter now affects many states
-at once.
-""")
-
-code(r"""
+# %%
 policies = {
     "TabularPolicy": policy,
     "LogLinearPolicy": LogLinearPolicy(mdp, generator=torch.Generator().manual_seed(1)),
@@ -472,28 +448,26 @@ for name, pol in policies.items():
     assert abs(float(j_obj - j_batch)) < EXACT_TOL
     assert torch.allclose(ga, ge, rtol=0, atol=EXACT_TOL)
     assert torch.allclose(ga, gf, rtol=0, atol=FD_TOL)
-""")
 
-# ============================================================================ 4. the lemma
-md(r"""
-## 4. The expected grad-log-prob lemma
 
-The identity behind every baseline, every advantage and every "this term vanishes in
-expectation" argument in policy-gradient methods is
+# %% [markdown]
+# ## 4. The expected grad-log-prob lemma
+#
+# The identity behind every baseline, every advantage and every "this term vanishes in
+# expectation" argument in policy-gradient methods is
+#
+# $$
+# \mathbb{E}_{a \sim \pi_\theta(\cdot \mid s)} \big[ \nabla_\theta \log \pi_\theta(a \mid s) \big]
+# = \sum_a \pi_\theta(a \mid s)\, \frac{\nabla_\theta \pi_\theta(a\mid s)}{\pi_\theta(a \mid s)}
+# = \nabla_\theta \sum_a \pi_\theta(a \mid s) = \nabla_\theta 1 = 0 .
+# $$
+#
+# It holds at **every state separately**. Each individual score vector
+# $\nabla \log \pi(a \mid s)$ is far from zero; only their $\pi$-weighted average vanishes. We check
+# both halves of that sentence, for all three policies, at each of the 14 states: the largest
+# entry of the expectation, and the norm of the individual scores it averages.
 
-$$
-\mathbb{E}_{a \sim \pi_\theta(\cdot \mid s)} \big[ \nabla_\theta \log \pi_\theta(a \mid s) \big]
-= \sum_a \pi_\theta(a \mid s)\, \frac{\nabla_\theta \pi_\theta(a\mid s)}{\pi_\theta(a \mid s)}
-= \nabla_\theta \sum_a \pi_\theta(a \mid s) = \nabla_\theta 1 = 0 .
-$$
-
-It holds at **every state separately**. Each individual score vector
-$\nabla \log \pi(a \mid s)$ is far from zero; only their $\pi$-weighted average vanishes. We check
-both halves of that sentence, for all three policies, at each of the 14 states: the largest
-entry of the expectation, and the norm of the individual scores it averages.
-""")
-
-code(r"""
+# %%
 def expected_score_per_state(mdp, policy):
     # For every state s: E_a[∇ log π(a|s)] as a flat vector, and max_a ||∇ log π(a|s)||.
     params = list(policy.parameters())
@@ -523,21 +497,20 @@ for name, pol in policies.items():
     print(f"{name:>16} {violation:>29.1e} {0:>6} {violation:>11.1e} "
           f"{float(score_norm_S.min()):>28.3f}")
     assert violation < EXACT_TOL
-""")
 
-md(r"""
-The largest violation is at the level of rounding error, while the individual scores have norms of
-order one: the check is not trivially satisfied.
 
-**The consequence we use most: baselines are free.** Multiply the lemma by any $b(s)$ that does not
-depend on the action and it still averages to zero. At the sequence level
-($\nabla\log\pi(y\mid x) = \sum_t \nabla\log\pi(y_t\mid s_t)$, each term zero in expectation)
-replacing $R(x,y)$ by $R(x,y) - b(x)$ changes nothing in expectation. With enumeration we can
-check it exactly: run route 2 with the reward minus the per-prompt value $b(x) = J_x$, the baseline
-that GRPO-style group means estimate.
-""")
+# %% [markdown]
+# The largest violation is at the level of rounding error, while the individual scores have norms of
+# order one: the check is not trivially satisfied.
+#
+# **The consequence we use most: baselines are free.** Multiply the lemma by any $b(s)$ that does not
+# depend on the action and it still averages to zero. At the sequence level
+# ($\nabla\log\pi(y\mid x) = \sum_t \nabla\log\pi(y_t\mid s_t)$, each term zero in expectation)
+# replacing $R(x,y)$ by $R(x,y) - b(x)$ changes nothing in expectation. With enumeration we can
+# check it exactly: run route 2 with the reward minus the per-prompt value $b(x) = J_x$, the baseline
+# that GRPO-style group means estimate.
 
-code(r"""
+# %%
 def grad_reinforce_enumerated_with_baseline(mdp, policy, baseline_P):
     batch = mdp.enumerate()
     seq_logprobs_S = batch.sequence_sum(policy.token_logprobs(batch))
@@ -554,47 +527,43 @@ print(f"baseline b(x) = J_x = {[round(v, 4) for v in root_values_P.tolist()]}")
 print(f"max |∇J with baseline - ∇J| = {float((g_baseline - g_auto).abs().max()):.1e}"
       f"   (max |∇J| = {float(g_auto.abs().max()):.3f})")
 assert torch.allclose(g_baseline, g_auto, rtol=0, atol=EXACT_TOL)
-""")
 
-# ============================================================================ 5. Monte Carlo
-md(r"""
-## 5. Monte Carlo REINFORCE next to the truth
+# %% [markdown]
+# ## 5. Monte Carlo REINFORCE next to the truth
+#
+# In practice we cannot enumerate. We sample $n$ responses $y_i \sim \pi_\theta(\cdot\mid x_i)$,
+# $x_i \sim D$, and use the REINFORCE estimator
+#
+# $$
+# \hat g = \frac1n \sum_{i=1}^n R(x_i, y_i)\, \nabla_\theta \log \pi_\theta(y_i \mid x_i),
+# $$
+#
+# which is the same loss as route 2 with the exact weights $w_y$ replaced by the sample frequencies
+# $1/n$. It is unbiased, $\mathbb{E}[\hat g] = \nabla J$, and each coordinate has standard error
+# $\sigma_j / \sqrt{n}$, estimated from the spread of the $n$ per-sample terms.
+#
+# `sample(mdp, policy, n, generator=...)` draws the responses depth by depth and returns a
+# `TokenBatch`, so the estimate is one backward pass of the loss, exactly as in a trainer.
 
-In practice we cannot enumerate. We sample $n$ responses $y_i \sim \pi_\theta(\cdot\mid x_i)$,
-$x_i \sim D$, and use the REINFORCE estimator
-
-$$
-\hat g = \frac1n \sum_{i=1}^n R(x_i, y_i)\, \nabla_\theta \log \pi_\theta(y_i \mid x_i),
-$$
-
-which is the same loss as route 2 with the exact weights $w_y$ replaced by the sample frequencies
-$1/n$. It is unbiased, $\mathbb{E}[\hat g] = \nabla J$, and each coordinate has standard error
-$\sigma_j / \sqrt{n}$, estimated from the spread of the $n$ per-sample terms.
-
-`sample(mdp, policy, n, generator=...)` draws the responses depth by depth and returns a
-`TokenBatch`, so the estimate is one backward pass of the loss, exactly as in a trainer.
-""")
-
-code(r"""
+# %%
 N_SAMPLES = 2000
 batch_mc = sample(mdp, policy, N_SAMPLES, generator=torch.Generator().manual_seed(2024))
 print(batch_mc)
 seq_logprobs_mc = batch_mc.sequence_sum(policy.token_logprobs(batch_mc))
 loss_mc = -(batch_mc.reward * seq_logprobs_mc).mean()             # weights 1/n instead of w_y
 g_mc = -flat_grad(loss_mc, policy)
-""")
 
-md(r"""
-For error bars we need the $n$ per-sample gradients, not only their mean. In the exact world
-there is a shortcut: every sample *is* one of the 30 responses. So we compute the score vector
-$\nabla\log\pi(y\mid x)$ of each of the 30 responses once, and find which response each sample is
-with `mdp.terminal_index`. The same table of 30 scores gives the **exact** covariance of a single
-sample's term,
-$\Sigma = \sum_y w_y\, R^2\, s_y s_y^\top - \nabla J \nabla J^\top$, so we can compare the
-estimated standard errors with the true ones as well.
-""")
 
-code(r"""
+# %% [markdown]
+# For error bars we need the $n$ per-sample gradients, not only their mean. In the exact world
+# there is a shortcut: every sample *is* one of the 30 responses. So we compute the score vector
+# $\nabla\log\pi(y\mid x)$ of each of the 30 responses once, and find which response each sample is
+# with `mdp.terminal_index`. The same table of 30 scores gives the **exact** covariance of a single
+# sample's term,
+# $\Sigma = \sum_y w_y\, R^2\, s_y s_y^\top - \nabla J \nabla J^\top$, so we can compare the
+# estimated standard errors with the true ones as well.
+
+# %%
 def response_scores(mdp, policy):
     # [N, num_params]: ∇ log π(y|x) of every response, in canonical order.
     batch = mdp.enumerate()
@@ -640,17 +609,15 @@ se_exact = (cov_exact.diagonal().clamp(min=0) / N_SAMPLES).sqrt()
 print(f"E[R ∇log π] by enumeration vs ∇J: max difference "
       f"{float((mean_exact - g_auto).abs().max()):.1e}")
 assert torch.allclose(mean_exact, g_auto, rtol=0, atol=EXACT_TOL)
-""")
 
-md(r"""
-The picture: for each of the 42 coordinates, the Monte Carlo estimate with a ±2 standard-error
-bar, and the exact $\nabla J$ as a red cross. Below it, the $z$-score
-$z_j = (\hat g_j - \nabla_j J) / \widehat{\mathrm{se}}_j$; for an unbiased estimator about 95% of
-them should lie within ±2. Vertical lines separate states; coordinates of rarely visited states
-(deep prefixes) have small gradients and small bars, because few samples pass through them.
-""")
+# %% [markdown]
+# The picture: for each of the 42 coordinates, the Monte Carlo estimate with a ±2 standard-error
+# bar, and the exact $\nabla J$ as a red cross. Below it, the $z$-score
+# $z_j = (\hat g_j - \nabla_j J) / \widehat{\mathrm{se}}_j$; for an unbiased estimator about 95% of
+# them should lie within ±2. Vertical lines separate states; coordinates of rarely visited states
+# (deep prefixes) have small gradients and small bars, because few samples pass through them.
 
-code(r"""
+# %%
 coords = list(range(g_auto.numel()))
 visible = se_mc > 0                                # a state no sample reached has no error bar
 z = torch.where(visible, (g_mc - g_auto) / torch.where(visible, se_mc, 1.0), torch.nan)
@@ -675,15 +642,13 @@ for ax in (ax_g, ax_z):
 ax_z.set_xticks([s * V + 1 for s in range(mdp.num_states)], STATE, rotation=60, fontsize=7)
 fig.tight_layout()
 plt.show()
-""")
 
-md(r"""
-The same comparison as numbers, for the eight coordinates with the largest true gradient: the
-estimate, its estimated standard error next to the exact one, the exact gradient, the difference
-and the $z$-score.
-""")
+# %% [markdown]
+# The same comparison as numbers, for the eight coordinates with the largest true gradient: the
+# estimate, its estimated standard error next to the exact one, the exact gradient, the difference
+# and the $z$-score.
 
-code(r"""
+# %%
 top = g_auto.abs().argsort(descending=True)[:8].sort().values
 print(f"{'coord':>5} {'state':>10} {'token':>5} {'MC estimate':>12} {'s.e. (est)':>11} "
       f"{'s.e. (exact)':>13} {'exact ∇J':>11} {'difference':>11} {'z':>6}")
@@ -698,22 +663,20 @@ print(f"\n|z| <= 2 for {float(inside):.0%} of the {int(visible.sum())} coordinat
 expected_norm = float(cov_exact.trace().clamp(min=0).sqrt()) / N_SAMPLES ** 0.5
 print(f"||MC - exact||_2 = {float((g_mc - g_auto).norm()):.4f}   typical size sqrt(tr Σ / n) = "
       f"{expected_norm:.4f}   difference = {float((g_mc - g_auto).norm()) - expected_norm:+.4f}")
-""")
 
-md(r"""
-The estimate scatters around the truth within its error bars, and the estimated standard errors
-are close to the exact ones. In this particular draw every $|z|$ is below 2 and the total error is
-smaller than its typical size $\sqrt{\operatorname{tr}\Sigma / n}$: the 42 coordinates are not
-independent (all of them are functions of the same 2000 responses, and the three logits of a state
-have gradients that sum to zero), so in one draw they tend to be small, or large, together.
+# %% [markdown]
+# The estimate scatters around the truth within its error bars, and the estimated standard errors
+# are close to the exact ones. In this particular draw every $|z|$ is below 2 and the total error is
+# smaller than its typical size $\sqrt{\operatorname{tr}\Sigma / n}$: the 42 coordinates are not
+# independent (all of them are functions of the same 2000 responses, and the three logits of a state
+# have gradients that sum to zero), so in one draw they tend to be small, or large, together.
+#
+# One draw is one draw. To check the *calibration* of the error bars, repeat the experiment with
+# fresh samples: averaged over repetitions, $z_j^2$ (with the exact standard error) should be close
+# to 1 and $\|\hat g - \nabla J\|^2$ close to $\operatorname{tr}\Sigma / n$. The per-response
+# score table makes each repetition cheap.
 
-One draw is one draw. To check the *calibration* of the error bars, repeat the experiment with
-fresh samples: averaged over repetitions, $z_j^2$ (with the exact standard error) should be close
-to 1 and $\|\hat g - \nabla J\|^2$ close to $\operatorname{tr}\Sigma / n$. The per-response
-score table makes each repetition cheap.
-""")
-
-code(r"""
+# %%
 REPEATS = 20
 generator = torch.Generator().manual_seed(99)
 z_squared, squared_errors = [], []
@@ -732,29 +695,26 @@ print(f"{REPEATS} repetitions of n = {N_SAMPLES}\n")
 print(f"{'quantity':>20} {'estimate':>10} {'exact':>10} {'difference':>11}")
 for name, estimate, exact in rows:
     print(f"{name:>20} {estimate:>10.4g} {exact:>10.4g} {estimate - exact:>+11.2g}")
-""")
 
-md(r"""
-(The last "exact" value is the normal approximation, fine for $n = 2000$.) The error bars are
-honest. This is the pattern the rest of the course builds on: every estimator gets a mean and a
-covariance that we can *compute*, and then compare with samples.
-""")
 
-# ============================================================================ 6. exercises
-md(r"""
-## 6. Exercises
+# %% [markdown]
+# (The last "exact" value is the normal approximation, fine for $n = 2000$.) The error bars are
+# honest. This is the pattern the rest of the course builds on: every estimator gets a mean and a
+# covariance that we can *compute*, and then compare with samples.
 
-### Exercise 1: the uniform policy
+# %% [markdown]
+# ## 6. Exercises
+#
+# ### Exercise 1: the uniform policy
+#
+# A `TabularPolicy` with `init_std=0` has all logits zero, so every next-token distribution is
+# uniform, $\pi(a\mid s) = 1/V$. Write $J$ of this policy in closed form, **without** calling
+# `objective`, using only `mdp.responses()`, `mdp.rewards` and `mdp.prompt_probs`.
+#
+# *Hint:* what is $\pi(y \mid x)$ for a response of length $|y|$? Is that also right for the
+# truncated responses? (And why do these probabilities sum to one per prompt?)
 
-A `TabularPolicy` with `init_std=0` has all logits zero, so every next-token distribution is
-uniform, $\pi(a\mid s) = 1/V$. Write $J$ of this policy in closed form, **without** calling
-`objective`, using only `mdp.responses()`, `mdp.rewards` and `mdp.prompt_probs`.
-
-*Hint:* what is $\pi(y \mid x)$ for a response of length $|y|$? Is that also right for the
-truncated responses? (And why do these probabilities sum to one per prompt?)
-""")
-
-code(r"""
+# %%
 # Solution
 def j_uniform(mdp):
     # π(y|x) = V^(-|y|): one factor 1/V per response token, the final EOS included; a truncated
@@ -764,30 +724,28 @@ def j_uniform(mdp):
         d_x = float(mdp.prompt_probs[mdp.prompts.index(x)])
         total += d_x * mdp.vocab_size ** (-len(y)) * r
     return total
-""")
 
-code(r"""
+
+# %%
 # Check
 uniform = TabularPolicy(mdp, generator=torch.Generator().manual_seed(0), init_std=0.0)
 j_yours, j_true = j_uniform(mdp), float(objective(mdp, uniform))
 print(f"your J = {j_yours:.12f}   exact J = {j_true:.12f}   difference = {j_yours - j_true:.1e}")
 assert abs(j_yours - j_true) < EXACT_TOL, "not yet: compare with sequence_probs(mdp, uniform)"
-""")
 
-md(r"""
-Why they sum to one, per prompt: the probability of reaching depth $k$ is $(b/V)^k$. Of that,
-a share $1/V$ stops there with EOS, which is $(b/V)^k - (b/V)^{k+1}$, and whatever reaches depth
-$L$, $(b/V)^L$, stops by truncation. The sum
-$\sum_{k=0}^{L-1} b^k V^{-(k+1)} + b^L V^{-L}$ telescopes to $(b/V)^0 = 1$.
+# %% [markdown]
+# Why they sum to one, per prompt: the probability of reaching depth $k$ is $(b/V)^k$. Of that,
+# a share $1/V$ stops there with EOS, which is $(b/V)^k - (b/V)^{k+1}$, and whatever reaches depth
+# $L$, $(b/V)^L$, stops by truncation. The sum
+# $\sum_{k=0}^{L-1} b^k V^{-(k+1)} + b^L V^{-L}$ telescopes to $(b/V)^0 = 1$.
+#
+# ### Exercise 2: a constant reward
+#
+# Suppose every response gets the same reward $R(x, y) = c$. What is $\nabla J$, for any policy and
+# any $\theta$, and why? Compute it for the `NeuralPolicy` above with $c = 3$, and compare the
+# exact answer with a Monte Carlo REINFORCE estimate from 2000 samples.
 
-### Exercise 2: a constant reward
-
-Suppose every response gets the same reward $R(x, y) = c$. What is $\nabla J$, for any policy and
-any $\theta$, and why? Compute it for the `NeuralPolicy` above with $c = 3$, and compare the
-exact answer with a Monte Carlo REINFORCE estimate from 2000 samples.
-""")
-
-code(r"""
+# %%
 # Solution
 # J(θ) = Σ_x D(x) Σ_y π_θ(y|x) c = c for every θ, because Σ_y π_θ(y|x) = 1: J is constant, so
 # ∇J = 0. Equivalently, it is the lemma of section 4 at the sequence level,
@@ -797,9 +755,8 @@ mdp_constant = TokenMDP(V, L, lambda x, y: C, prompts=mdp.prompts,
                         prompt_probs=mdp.prompt_probs.tolist())
 neural = NeuralPolicy(mdp_constant, generator=torch.Generator().manual_seed(2), hidden=4)
 grad_answer = torch.zeros(sum(p.numel() for p in neural.parameters()), dtype=torch.float64)
-""")
 
-code(r"""
+# %%
 # Check
 g_true = gradient(mdp_constant, neural)
 print(f"J = {float(objective(mdp_constant, neural)):.12f} (c = {C})")
@@ -814,28 +771,21 @@ g_c = -flat_grad(-(batch_c.reward * seq_logprobs_c).mean(), neural)
 print(f"Monte Carlo with a constant reward: ||estimate||_2 = {float(g_c.norm()):.3f}, "
       f"exact ||∇J||_2 = {float(g_true.norm()):.1e}, "
       f"||difference||_2 = {float((g_c - g_true).norm()):.3f}")
-""")
 
-md(r"""
-The exact gradient vanishes, yet the Monte Carlo estimate is visibly non-zero: it is pure noise,
-$c$ times the average score of the samples, with variance growing like $c^2$. Subtracting the
-baseline $b = c$ (section 4) removes it entirely without changing the expectation. Variance that
-costs nothing to remove, bias that costs something to accept: that trade-off, computed exactly, is
-the subject of the following tutorials.
-
-## Summary
-
-* The token MDP has states (prompt + prefix), actions (next token), EOS or truncation at $L$, and
-  one terminal reward; per prompt it has $\sum_{k=0}^{L} (V-1)^k$ responses.
-* On a tiny MDP, $J$ and $\nabla J$ are exact: autograd of the objective, the REINFORCE loss on the
-  full enumeration with detached probability weights, and finite differences agree.
-* $\mathbb{E}_{a\sim\pi}[\nabla \log\pi(a\mid s)] = 0$ at every state; it is why baselines do not
-  bias the gradient.
-* A Monte Carlo REINFORCE estimate is unbiased and its errors match the standard errors, which we
-  can also compute exactly.
-""")
-
-
-
-if __name__ == "__main__":
-    NOTEBOOK.write(Path(__file__).with_name("01_the_exact_token_mdp.ipynb"))
+# %% [markdown]
+# The exact gradient vanishes, yet the Monte Carlo estimate is visibly non-zero: it is pure noise,
+# $c$ times the average score of the samples, with variance growing like $c^2$. Subtracting the
+# baseline $b = c$ (section 4) removes it entirely without changing the expectation. Variance that
+# costs nothing to remove, bias that costs something to accept: that trade-off, computed exactly, is
+# the subject of the following tutorials.
+#
+# ## Summary
+#
+# * The token MDP has states (prompt + prefix), actions (next token), EOS or truncation at $L$, and
+#   one terminal reward; per prompt it has $\sum_{k=0}^{L} (V-1)^k$ responses.
+# * On a tiny MDP, $J$ and $\nabla J$ are exact: autograd of the objective, the REINFORCE loss on the
+#   full enumeration with detached probability weights, and finite differences agree.
+# * $\mathbb{E}_{a\sim\pi}[\nabla \log\pi(a\mid s)] = 0$ at every state; it is why baselines do not
+#   bias the gradient.
+# * A Monte Carlo REINFORCE estimate is unbiased and its errors match the standard errors, which we
+#   can also compute exactly.

@@ -1,85 +1,76 @@
-"""Write ``03_off_policy_and_the_first_order_approximation.ipynb`` (without outputs) from the cells.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-Run ``python tutorials/_build_03.py``; edit the cells here, not the notebook, so the two never
-disagree. The notebook is executed by ``pytest --nbmake``.
-"""
+# %% [markdown]
+# # Tutorial 3 — Off-policy and the first-order approximation
+#
+# In tutorial 1 every sample came from the policy we differentiate. A real RL trainer for language
+# models never has that luxury. The responses of a batch were written by an **inference engine**
+# at the weights of the last rollout, and the trainer takes several optimizer steps on them. Three
+# policies are involved (the notation of Zheng et al. 2025, arXiv 2512.01374):
+#
+# * $\pi_\theta$ — the policy being trained, whose gradient $\nabla J(\theta)$ we want;
+# * $\pi_{\text{old}}$ — the *training* engine at the rollout weights $\theta_{\text{old}}$;
+# * $\mu$ — the *inference* engine that actually sampled the tokens: the same weights as
+#   $\pi_{\text{old}}$, other numerics (low-precision logits, other kernels, other MoE routing).
+#
+# The token weight that corrects for all of it factors exactly into two ratios:
+#
+# $$
+# \rho_t = \frac{\pi_\theta(y_t\mid s_t)}{\mu(y_t\mid s_t)}
+# = \underbrace{\frac{\pi_{\text{old}}(y_t\mid s_t)}{\mu(y_t\mid s_t)}}_{\text{train–inference gap}}
+# \cdot
+# \underbrace{\frac{\pi_\theta(y_t\mid s_t)}{\pi_{\text{old}}(y_t\mid s_t)}}_{\text{staleness } r_t} .
+# $$
+#
+# There are two ways to use it. **Sequence-level** importance sampling multiplies the whole
+# response's score by $\rho(y) = \prod_t \rho_t$: exactly unbiased, at a price in variance that we
+# will compute. **Token-level** importance sampling weights each token by its own $\rho_t$: low
+# variance, but it estimates the gradient of a different objective, the trust-region surrogate
+# $L_\mu(\pi_\theta)$ — a first-order approximation of $J$ around $\mu$. In this notebook we
+#
+# 1. show that sequence-level IS is unbiased and watch its variance grow with the distance between
+#    $\pi_\theta$ and $\mu$ and, geometrically, with the response length;
+# 2. prove numerically that token-level IS has expectation *exactly* $\nabla L_\mu(\pi_\theta)$, and
+#    measure how far that is from $\nabla J$: the gap $J - L$ is second order, the gradient error
+#    first order, and both are governed by the KL divergence;
+# 3. see what PPO's clip does to the expected gradient once the policy is stale;
+# 4. separate out the training–inference discrepancy and compare no correction, IS, truncated IS
+#    and masked IS, with their exact bias and variance.
+#
+# Everything is exact (enumeration, float64) on the tiny MDP of tutorial 1, and runs in seconds.
 
-from __future__ import annotations
+# %% [markdown]
+# ## Setup
+#
+# The MDP is the one of tutorial 1: two prompts, tokens $\{0, 1, \text{EOS}\}$, responses of at most
+# 3 tokens, reward +1 per token that copies the prompt and −1 for a truncated response. The policy
+# $\pi_\theta$ is a seeded tabular softmax.
+#
+# All estimators in this notebook share every part except the one under study:
+#
+# * **advantage**: leave-one-out with groups of $G = 2$, $\hat A_1 = R_1 - R_2$ (RLOO). It is an
+#   unbiased baseline on-policy, and, as we will see, off-policy too when the weights are exact;
+# * **aggregation**: sequence-mean of token sums, loss weight $1/S$ per token. The expected
+#   gradient is then directly comparable with $\nabla J$ (no length normalization, no random
+#   normalizer);
+# * **surrogate** and **correction**: what each section varies.
+#
+# `moments(mdp, policy, estimator, group_size=G, behavior=μ, old=π_old, method="enumeration")`
+# enumerates every group of $G$ responses drawn from $\mu$ (each multiset once, with its
+# probability), runs the library's own `prepare` and `loss` on each, and returns the exact mean
+# $\mathbb{E}[\hat g]$, the total variance $\operatorname{tr}\operatorname{Cov}[\hat g]$, and the
+# true $\nabla J$ at $\pi_\theta$. On this MDP that is 240 groups per call, a fraction of a second.
 
-from pathlib import Path
-
-from _notebook import NotebookBuilder
-
-NOTEBOOK = NotebookBuilder()
-md, code = NOTEBOOK.md, NOTEBOOK.code
-
-
-# ============================================================================ introduction
-md(r"""
-# Tutorial 3 — Off-policy and the first-order approximation
-
-In tutorial 1 every sample came from the policy we differentiate. A real RL trainer for language
-models never has that luxury. The responses of a batch were written by an **inference engine**
-at the weights of the last rollout, and the trainer takes several optimizer steps on them. Three
-policies are involved (the notation of Zheng et al. 2025, arXiv 2512.01374):
-
-* $\pi_\theta$ — the policy being trained, whose gradient $\nabla J(\theta)$ we want;
-* $\pi_{\text{old}}$ — the *training* engine at the rollout weights $\theta_{\text{old}}$;
-* $\mu$ — the *inference* engine that actually sampled the tokens: the same weights as
-  $\pi_{\text{old}}$, other numerics (low-precision logits, other kernels, other MoE routing).
-
-The token weight that corrects for all of it factors exactly into two ratios:
-
-$$
-\rho_t = \frac{\pi_\theta(y_t\mid s_t)}{\mu(y_t\mid s_t)}
-= \underbrace{\frac{\pi_{\text{old}}(y_t\mid s_t)}{\mu(y_t\mid s_t)}}_{\text{train–inference gap}}
-\cdot
-\underbrace{\frac{\pi_\theta(y_t\mid s_t)}{\pi_{\text{old}}(y_t\mid s_t)}}_{\text{staleness } r_t} .
-$$
-
-There are two ways to use it. **Sequence-level** importance sampling multiplies the whole
-response's score by $\rho(y) = \prod_t \rho_t$: exactly unbiased, at a price in variance that we
-will compute. **Token-level** importance sampling weights each token by its own $\rho_t$: low
-variance, but it estimates the gradient of a different objective, the trust-region surrogate
-$L_\mu(\pi_\theta)$ — a first-order approximation of $J$ around $\mu$. In this notebook we
-
-1. show that sequence-level IS is unbiased and watch its variance grow with the distance between
-   $\pi_\theta$ and $\mu$ and, geometrically, with the response length;
-2. prove numerically that token-level IS has expectation *exactly* $\nabla L_\mu(\pi_\theta)$, and
-   measure how far that is from $\nabla J$: the gap $J - L$ is second order, the gradient error
-   first order, and both are governed by the KL divergence;
-3. see what PPO's clip does to the expected gradient once the policy is stale;
-4. separate out the training–inference discrepancy and compare no correction, IS, truncated IS
-   and masked IS, with their exact bias and variance.
-
-Everything is exact (enumeration, float64) on the tiny MDP of tutorial 1, and runs in seconds.
-""")
-
-md(r"""
-## Setup
-
-The MDP is the one of tutorial 1: two prompts, tokens $\{0, 1, \text{EOS}\}$, responses of at most
-3 tokens, reward +1 per token that copies the prompt and −1 for a truncated response. The policy
-$\pi_\theta$ is a seeded tabular softmax.
-
-All estimators in this notebook share every part except the one under study:
-
-* **advantage**: leave-one-out with groups of $G = 2$, $\hat A_1 = R_1 - R_2$ (RLOO). It is an
-  unbiased baseline on-policy, and, as we will see, off-policy too when the weights are exact;
-* **aggregation**: sequence-mean of token sums, loss weight $1/S$ per token. The expected
-  gradient is then directly comparable with $\nabla J$ (no length normalization, no random
-  normalizer);
-* **surrogate** and **correction**: what each section varies.
-
-`moments(mdp, policy, estimator, group_size=G, behavior=μ, old=π_old, method="enumeration")`
-enumerates every group of $G$ responses drawn from $\mu$ (each multiset once, with its
-probability), runs the library's own `prepare` and `loss` on each, and returns the exact mean
-$\mathbb{E}[\hat g]$, the total variance $\operatorname{tr}\operatorname{Cov}[\hat g]$, and the
-true $\nabla J$ at $\pi_\theta$. On this MDP that is 240 groups per call, a fraction of a second.
-""")
-
-code(r"""
-%matplotlib inline
+# %%
+# %matplotlib inline
 import copy
 import math
 
@@ -135,9 +126,8 @@ print("tokenmdp", tokenmdp.__version__, "| torch", torch.__version__)
 
 # Every tensor here is tiny: one CPU thread avoids the cost of synchronizing several.
 torch.set_num_threads(1)
-""")
 
-code(r"""
+# %%
 V, L = 3, 3
 EOS = V - 1
 
@@ -154,9 +144,10 @@ pi = TabularPolicy(mdp, generator=torch.Generator().manual_seed(0), init_std=1.0
 grad_J = gradient(mdp, pi)
 
 
-def rloo(surrogate_part, correction=NoCorrection()):
+def rloo(surrogate_part, correction=None):
     # The estimator of this notebook: leave-one-out advantage, loss weight 1/S per token, and
     # the surrogate (and training-inference correction) under study.
+    correction = NoCorrection() if correction is None else correction
     return Estimator(surrogate=surrogate_part, advantage=LeaveOneOut(), correction=correction,
                      aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_SUM)
 
@@ -167,52 +158,49 @@ print(f"{mdp.num_sequences} responses, {mdp.num_states} states, "
 print(f"on-policy RLOO (G = {G}): ||E[ĝ] - ∇J|| = {float(on_policy.bias.norm()):.1e}, "
       f"total variance = {on_policy.total_variance:.4f}")
 assert on_policy.bias.norm() < EXACT_TOL
-""")
 
-# ============================================================================ 1. sequence IS
-md(r"""
-## 1. Sequence-level importance sampling: unbiased, and expensive
+# %% [markdown]
+# ## 1. Sequence-level importance sampling: unbiased, and expensive
+#
+# Sample from $\mu$, want an expectation under $\pi_\theta$. For any function $f$ of the response,
+#
+# $$
+# \mathbb{E}_{y\sim\mu}\big[\rho(y)\, f(y)\big] = \sum_y \mu(y)\,\frac{\pi_\theta(y)}{\mu(y)}\, f(y)
+# = \mathbb{E}_{y\sim\pi_\theta}[f(y)],
+# \qquad \rho(y) = \frac{\pi_\theta(y\mid x)}{\mu(y\mid x)} = \prod_{t} \rho_t ,
+# $$
+#
+# as long as $\mu$ puts mass wherever $\pi_\theta$ does. With $f = \hat A\, \nabla \log \pi_\theta(y)$
+# this gives an unbiased off-policy policy gradient (Precup et al. 2000 for the RL form). The price
+# is in the second moment. For the same $f$,
+#
+# $$
+# \mathbb{E}_{\mu}\big[\rho^2 f^2\big] = \sum_y \frac{\pi_\theta(y)^2}{\mu(y)}\, f(y)^2
+# = \big(1 + \chi^2(\pi_\theta\,\|\,\mu)\big)\; \mathbb{E}_{y\sim q}\big[f(y)^2\big],
+# \qquad
+# \chi^2(\pi\,\|\,\mu) = \sum_y \frac{\pi(y)^2}{\mu(y)} - 1 = \operatorname{Var}_\mu[\rho],
+# $$
+#
+# where $q \propto \pi_\theta^2/\mu$ is another distribution over responses. The factor
+# $1 + \chi^2$ is what importance sampling costs, and it is computed *exactly* from the sequence
+# probabilities.
+#
+# ### Two compositions of one estimator
+#
+# `tokenmdp` can write sequence-level IS in two ways, and they must agree:
+#
+# * the `SequenceRatio` surrogate, $\rho(y)\hat A$ with $\rho = \prod_t \pi_\theta/\pi_{\text{old}}$,
+#   sampling from $\mu = \pi_{\text{old}}$ (pure staleness);
+# * the plain `Reinforce` surrogate times an `ImportanceSampling` correction at `Level.SEQUENCE`,
+#   which multiplies by the detached product $\prod_t \pi_{\text{old}}/\mu$; tell it that the
+#   "training engine" is $\pi_\theta$ itself (`old=pi`), and the factor becomes $\rho(y)$.
+#
+# The same holds at the token level (`TokenRatio` against `Reinforce` times token-level
+# `ImportanceSampling`). We build a stale behaviour policy with `stale_copy`, which moves the
+# parameters back a distance $d$ along $\nabla J$, so that $\pi_\theta$ is $\pi_{\text{old}}$ after
+# one ascent step of length $d$.
 
-Sample from $\mu$, want an expectation under $\pi_\theta$. For any function $f$ of the response,
-
-$$
-\mathbb{E}_{y\sim\mu}\big[\rho(y)\, f(y)\big] = \sum_y \mu(y)\,\frac{\pi_\theta(y)}{\mu(y)}\, f(y)
-= \mathbb{E}_{y\sim\pi_\theta}[f(y)],
-\qquad \rho(y) = \frac{\pi_\theta(y\mid x)}{\mu(y\mid x)} = \prod_{t} \rho_t ,
-$$
-
-as long as $\mu$ puts mass wherever $\pi_\theta$ does. With $f = \hat A\, \nabla \log \pi_\theta(y)$
-this gives an unbiased off-policy policy gradient (Precup et al. 2000 for the RL form). The price
-is in the second moment. For the same $f$,
-
-$$
-\mathbb{E}_{\mu}\big[\rho^2 f^2\big] = \sum_y \frac{\pi_\theta(y)^2}{\mu(y)}\, f(y)^2
-= \big(1 + \chi^2(\pi_\theta\,\|\,\mu)\big)\; \mathbb{E}_{y\sim q}\big[f(y)^2\big],
-\qquad
-\chi^2(\pi\,\|\,\mu) = \sum_y \frac{\pi(y)^2}{\mu(y)} - 1 = \operatorname{Var}_\mu[\rho],
-$$
-
-where $q \propto \pi_\theta^2/\mu$ is another distribution over responses. The factor
-$1 + \chi^2$ is what importance sampling costs, and it is computed *exactly* from the sequence
-probabilities.
-
-### Two compositions of one estimator
-
-`tokenmdp` can write sequence-level IS in two ways, and they must agree:
-
-* the `SequenceRatio` surrogate, $\rho(y)\hat A$ with $\rho = \prod_t \pi_\theta/\pi_{\text{old}}$,
-  sampling from $\mu = \pi_{\text{old}}$ (pure staleness);
-* the plain `Reinforce` surrogate times an `ImportanceSampling` correction at `Level.SEQUENCE`,
-  which multiplies by the detached product $\prod_t \pi_{\text{old}}/\mu$; tell it that the
-  "training engine" is $\pi_\theta$ itself (`old=pi`), and the factor becomes $\rho(y)$.
-
-The same holds at the token level (`TokenRatio` against `Reinforce` times token-level
-`ImportanceSampling`). We build a stale behaviour policy with `stale_copy`, which moves the
-parameters back a distance $d$ along $\nabla J$, so that $\pi_\theta$ is $\pi_{\text{old}}$ after
-one ascent step of length $d$.
-""")
-
-code(r"""
+# %%
 pi_old = stale_copy(mdp, pi, distance=1.0)
 pairs = {
     "sequence IS": (moments(mdp, pi, rloo(SequenceRatio()), group_size=G, behavior=pi_old,
@@ -232,22 +220,21 @@ for name, (by_surrogate, by_correction) in pairs.items():
     print(f"{name:>12} {float(by_surrogate.mean.norm()):>19.6f} "
           f"{float(by_correction.mean.norm()):>20.6f} {diff:>12.1e} {dvar:>11.1e}")
     assert diff < EXACT_TOL and abs(dvar) < EXACT_TOL
-""")
 
-md(r"""
-Same mean, same variance: the split of $\rho_t$ into a surrogate ratio and a correction factor is
-bookkeeping, which is why `tokenmdp` keeps the two as separate parts.
 
-### Bias and variance as the behaviour policy goes stale
+# %% [markdown]
+# Same mean, same variance: the split of $\rho_t$ into a surrogate ratio and a correction factor is
+# bookkeeping, which is why `tokenmdp` keeps the two as separate parts.
+#
+# ### Bias and variance as the behaviour policy goes stale
+#
+# Now a sweep over the stale distance $d$. At each $d$ we compute the sequence KL
+# $\mathrm{KL}(\pi_\theta\,\|\,\mu)$, the exact $\chi^2(\pi_\theta\,\|\,\mu)$ (averaged over prompts
+# with $D(x)$), and the exact moments of sequence-level and token-level IS. Jensen's inequality
+# gives $\log(1+\chi^2) \ge \mathrm{KL}$ ($\log \mathbb{E}_\pi[\rho] \ge
+# \mathbb{E}_\pi[\log\rho]$), so $1 + \chi^2$ grows at least like $e^{\mathrm{KL}}$.
 
-Now a sweep over the stale distance $d$. At each $d$ we compute the sequence KL
-$\mathrm{KL}(\pi_\theta\,\|\,\mu)$, the exact $\chi^2(\pi_\theta\,\|\,\mu)$ (averaged over prompts
-with $D(x)$), and the exact moments of sequence-level and token-level IS. Jensen's inequality
-gives $\log(1+\chi^2) \ge \mathrm{KL}$ ($\log \mathbb{E}_\pi[\rho] \ge
-\mathbb{E}_\pi[\log\rho]$), so $1 + \chi^2$ grows at least like $e^{\mathrm{KL}}$.
-""")
-
-code(r"""
+# %%
 def chi_square(mdp, p, q):
     # χ²(p‖q) = Σ_x D(x) Σ_y p(y|x)² / q(y|x) − 1, from the exact sequence log-probs
     with torch.no_grad():
@@ -277,16 +264,14 @@ for row in sweep:
           f"{t.relative_bias:>24.4f} {t.total_variance:>12.4f}")
     assert s.bias.norm() < EXACT_TOL                     # unbiased at every distance
     assert math.exp(row["kl"]) <= 1 + row["chi2"] + EXACT_TOL
-""")
 
-md(r"""
-Sequence-level IS is unbiased to rounding error at every distance, while its variance climbs
-with the divergence. Token-level IS keeps its variance lower (three times lower at $d = 6$) but
-drifts away from $\nabla J$.
-On a plot against the KL, with the multiplier $1 + \chi^2$ beside it:
-""")
+# %% [markdown]
+# Sequence-level IS is unbiased to rounding error at every distance, while its variance climbs
+# with the divergence. Token-level IS keeps its variance lower (three times lower at $d = 6$) but
+# drifts away from $\nabla J$.
+# On a plot against the KL, with the multiplier $1 + \chi^2$ beside it:
 
-code(r"""
+# %%
 kls = [row["kl"] for row in sweep]
 fig, (ax_v, ax_c) = plt.subplots(1, 2, figsize=(12, 4.2))
 ax_v.semilogy(kls, [row["seq"].total_variance for row in sweep], "o-", label="sequence IS")
@@ -312,42 +297,41 @@ ax_c.set_title("the variance multiplier")
 ax_c.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
-""")
 
-md(r"""
-The variance multiplier of sequence-level IS follows $1 + \chi^2$ (it even overshoots it: the
-second factor $\mathbb{E}_q[f^2]$ also grows, because $q \propto \pi_\theta^2/\mu$ leans further
-toward the responses that $\pi_\theta$ has learned to like). And $1 + \chi^2$ itself grows much
-faster than $e^{\mathrm{KL}}$ once the policies are far apart.
 
-### Variance against length: $(1 + \chi^2)^T$
+# %% [markdown]
+# The variance multiplier of sequence-level IS follows $1 + \chi^2$ (it even overshoots it: the
+# second factor $\mathbb{E}_q[f^2]$ also grows, because $q \propto \pi_\theta^2/\mu$ leans further
+# toward the responses that $\pi_\theta$ has learned to like). And $1 + \chi^2$ itself grows much
+# faster than $e^{\mathrm{KL}}$ once the policies are far apart.
+#
+# ### Variance against length: $(1 + \chi^2)^T$
+#
+# The worst part is the dependence on the response length. If every state contributes the same
+# per-token divergence $\chi^2_{\text{tok}}$ and every response has exactly $T$ tokens, the
+# sequence ratio is a product of $T$ independent factors and
+#
+# $$
+# 1 + \chi^2_{\text{seq}} = \mathbb{E}_\mu\Big[\prod_{t=1}^T \rho_t^2\Big]
+# = (1 + \chi^2_{\text{tok}})^T .
+# $$
+#
+# We build exactly that case: MDPs with $T = 1, \dots, 6$, a behaviour policy $\mu$ that is uniform
+# over tokens 0 and 1, and a policy $\pi_\theta$ that prefers token 0 (logit
+# $\delta = 1.5$) in every state. Both give EOS a logit of −40 (probability $\sim 10^{-17}$), so
+# every response has exactly $T$ tokens. The reward is the fraction of zeros. To make the identity
+# of the second moment exact we use one response per step ($G = 1$) and the reward as advantage:
+# then $\hat g = \rho(y)\, R\, \nabla\log\pi_\theta(y)$ and
+#
+# $$
+# \mathbb{E}\|\hat g\|^2 = (1 + \chi^2_{\text{seq}})\; \mathbb{E}_{y\sim q}\big[R(y)^2\,
+# \|\nabla \log\pi_\theta(y)\|^2\big].
+# $$
+#
+# The right-hand side needs the score $\nabla\log\pi_\theta(y)$ of every response; we take it by
+# autograd, as in tutorial 1, with the backward passes of all responses batched.
 
-The worst part is the dependence on the response length. If every state contributes the same
-per-token divergence $\chi^2_{\text{tok}}$ and every response has exactly $T$ tokens, the
-sequence ratio is a product of $T$ independent factors and
-
-$$
-1 + \chi^2_{\text{seq}} = \mathbb{E}_\mu\Big[\prod_{t=1}^T \rho_t^2\Big]
-= (1 + \chi^2_{\text{tok}})^T .
-$$
-
-We build exactly that case: MDPs with $T = 1, \dots, 6$, a behaviour policy $\mu$ that is uniform
-over tokens 0 and 1, and a policy $\pi_\theta$ that prefers token 0 (logit
-$\delta = 1.5$) in every state. Both give EOS a logit of −40 (probability $\sim 10^{-17}$), so
-every response has exactly $T$ tokens. The reward is the fraction of zeros. To make the identity
-of the second moment exact we use one response per step ($G = 1$) and the reward as advantage:
-then $\hat g = \rho(y)\, R\, \nabla\log\pi_\theta(y)$ and
-
-$$
-\mathbb{E}\|\hat g\|^2 = (1 + \chi^2_{\text{seq}})\; \mathbb{E}_{y\sim q}\big[R(y)^2\,
-\|\nabla \log\pi_\theta(y)\|^2\big].
-$$
-
-The right-hand side needs the score $\nabla\log\pi_\theta(y)$ of every response; we take it by
-autograd, as in tutorial 1, with the backward passes of all responses batched.
-""")
-
-code(r"""
+# %%
 def response_scores(mdp, policy):
     # [N, num_params]: ∇ log π(y|x) of every response, in canonical order
     batch = mdp.enumerate()
@@ -413,17 +397,15 @@ for T in LENGTHS:
     by_length.append(dict(T=T, seq=seq_T.total_variance, tok=tok_T.total_variance,
                           on=on_T.total_variance, tok_bias=tok_T.relative_bias,
                           seq_bias=seq_T.relative_bias))
-""")
 
-md(r"""
-Both identities hold to rounding error. Now the variances themselves against $T$, on a log scale.
-On-policy REINFORCE grows slowly (the score is a sum of $T$ terms); sequence-level IS carries the
-extra factor $(1 + \chi^2_{\text{tok}})^T$, a straight line on this scale. The right panel divides
-out the on-policy variance (from $T = 2$: with a single token the on-policy variance is tiny and
-the ratio is not yet in its regime); the successive ratios approach $1 + \chi^2_{\text{tok}}$.
-""")
+# %% [markdown]
+# Both identities hold to rounding error. Now the variances themselves against $T$, on a log scale.
+# On-policy REINFORCE grows slowly (the score is a sum of $T$ terms); sequence-level IS carries the
+# extra factor $(1 + \chi^2_{\text{tok}})^T$, a straight line on this scale. The right panel divides
+# out the on-policy variance (from $T = 2$: with a single token the on-policy variance is tiny and
+# the ratio is not yet in its regime); the successive ratios approach $1 + \chi^2_{\text{tok}}$.
 
-code(r"""
+# %%
 Ts = [row["T"] for row in by_length]
 excess = [row["seq"] / row["on"] for row in by_length]
 fig, (ax_l, ax_r) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -444,48 +426,44 @@ plt.show()
 
 print(f"{'T':>2} {'var(T)/var(T-1), sequence IS / on-policy':>42} {'1+χ²_tok':>9} "
       f"{'difference':>11} | {'token IS rel. bias':>18} {'sequence IS rel. bias':>21}")
-for prev, row, e_prev, e in zip(by_length, by_length[1:], excess, excess[1:]):
+for row, e_prev, e in zip(by_length[1:], excess, excess[1:]):
     print(f"{row['T']:>2} {e / e_prev:>42.4f} {1 + chi2_tok:>9.4f} "
           f"{e / e_prev - 1 - chi2_tok:>+11.4f} | {row['tok_bias']:>18.4f} "
           f"{row['seq_bias']:>21.1e}")
-""")
 
-md(r"""
-A per-token $\chi^2$ of 0.4 is large; in a real model it is tiny per token, but responses have
-thousands of tokens, and $(1 + 10^{-3})^{4000} \approx 55$. This is why nobody trains a language
-model with plain sequence-level importance weights. Notice also the last two columns: token-level
-IS has a constant low variance but a bias that grows with $T$. The rest of the notebook is about
-that bias.
-""")
+# %% [markdown]
+# A per-token $\chi^2$ of 0.4 is large; in a real model it is tiny per token, but responses have
+# thousands of tokens, and $(1 + 10^{-3})^{4000} \approx 55$. This is why nobody trains a language
+# model with plain sequence-level importance weights. Notice also the last two columns: token-level
+# IS has a constant low variance but a bias that grows with $T$. The rest of the notebook is about
+# that bias.
 
-# ============================================================================ 2. token IS
-md(r"""
-## 2. Token-level IS is the gradient of the trust-region surrogate
+# %% [markdown]
+# ## 2. Token-level IS is the gradient of the trust-region surrogate
+#
+# Weight every token by its own ratio instead: $\hat g_{\text{tok}} = \frac1G\sum_i \hat A_i
+# \sum_t \rho_{i,t}\, \nabla\log\pi_\theta(y_{i,t}\mid s_{i,t})$, and group its expectation by state.
+# A state $s$ is reached with probability $d^\mu(s)$ under $\mu$ (summed over depths; this is
+# `state_visitation`), its token is drawn from $\mu(\cdot\mid s)$, and the expected reward after
+# $(s, a)$ is $Q^\mu(s, a)$. The baseline $R_2$ is independent of $y_1$, and it multiplies
+# $\sum_t \rho_t \nabla\log\pi_\theta$, whose expectation
+# $\sum_s d^\mu(s)\sum_a \pi_\theta(a\mid s)\nabla\log\pi_\theta(a\mid s)$ is zero; for the same
+# reason $Q^\mu$ may be replaced by the advantage $A^\mu(s, a) = Q^\mu(s, a) - V^\mu(s)$. So
+#
+# $$
+# \mathbb{E}[\hat g_{\text{tok}}] = \sum_s d^\mu(s) \sum_a \mu(a\mid s)
+# \frac{\pi_\theta(a\mid s)}{\mu(a\mid s)}\, A^\mu(s, a)\, \nabla\log\pi_\theta(a\mid s)
+# = \nabla_\theta \underbrace{\Big[J(\mu) + \sum_s d^\mu(s) \sum_a \pi_\theta(a\mid s)\,
+# A^\mu(s, a)\Big]}_{L_\mu(\pi_\theta)} .
+# $$
+#
+# $L_\mu$ is the surrogate of conservative policy iteration (Kakade & Langford 2002) and TRPO
+# (Schulman et al. 2015, arXiv 1502.05477): it keeps $\mu$'s state distribution and advantages, and
+# swaps in $\pi_\theta$'s action probabilities. It agrees with $J$ to first order at
+# $\pi_\theta = \mu$. `surrogate(mdp, policy, behavior)` computes it in closed form, so we can check
+# the identity at every distance of the sweep, for every coordinate.
 
-Weight every token by its own ratio instead: $\hat g_{\text{tok}} = \frac1G\sum_i \hat A_i
-\sum_t \rho_{i,t}\, \nabla\log\pi_\theta(y_{i,t}\mid s_{i,t})$, and group its expectation by state.
-A state $s$ is reached with probability $d^\mu(s)$ under $\mu$ (summed over depths; this is
-`state_visitation`), its token is drawn from $\mu(\cdot\mid s)$, and the expected reward after
-$(s, a)$ is $Q^\mu(s, a)$. The baseline $R_2$ is independent of $y_1$, and it multiplies
-$\sum_t \rho_t \nabla\log\pi_\theta$, whose expectation
-$\sum_s d^\mu(s)\sum_a \pi_\theta(a\mid s)\nabla\log\pi_\theta(a\mid s)$ is zero; for the same
-reason $Q^\mu$ may be replaced by the advantage $A^\mu(s, a) = Q^\mu(s, a) - V^\mu(s)$. So
-
-$$
-\mathbb{E}[\hat g_{\text{tok}}] = \sum_s d^\mu(s) \sum_a \mu(a\mid s)
-\frac{\pi_\theta(a\mid s)}{\mu(a\mid s)}\, A^\mu(s, a)\, \nabla\log\pi_\theta(a\mid s)
-= \nabla_\theta \underbrace{\Big[J(\mu) + \sum_s d^\mu(s) \sum_a \pi_\theta(a\mid s)\,
-A^\mu(s, a)\Big]}_{L_\mu(\pi_\theta)} .
-$$
-
-$L_\mu$ is the surrogate of conservative policy iteration (Kakade & Langford 2002) and TRPO
-(Schulman et al. 2015, arXiv 1502.05477): it keeps $\mu$'s state distribution and advantages, and
-swaps in $\pi_\theta$'s action probabilities. It agrees with $J$ to first order at
-$\pi_\theta = \mu$. `surrogate(mdp, policy, behavior)` computes it in closed form, so we can check
-the identity at every distance of the sweep, for every coordinate.
-""")
-
-code(r"""
+# %%
 print(f"{'d':>5} {'||E ĝ_tok - ∇L_μ||':>19} {'||E ĝ_tok - ∇J||':>17} {'||∇L_μ - ∇J||':>14} "
       f"{'difference':>11}")
 for row in sweep:
@@ -496,32 +474,30 @@ for row in sweep:
     print(f"{row['distance']:>5.2f} {to_L:>19.1e} {bias:>17.6f} {surrogate_error:>14.6f} "
           f"{bias - surrogate_error:>11.1e}")
     assert to_L < EXACT_TOL
-""")
 
-md(r"""
-To rounding error, the token-level estimator is an unbiased estimator of $\nabla L_\mu(\pi_\theta)$,
-and its bias as an estimator of $\nabla J$ **is** the surrogate's gradient error
-$\nabla L_\mu - \nabla J$. (Also a check of `surrogate` itself: two independent computations, one
-through the estimator library on every enumerated group, one through value tables.)
+# %% [markdown]
+# To rounding error, the token-level estimator is an unbiased estimator of $\nabla L_\mu(\pi_\theta)$,
+# and its bias as an estimator of $\nabla J$ **is** the surrogate's gradient error
+# $\nabla L_\mu - \nabla J$. (Also a check of `surrogate` itself: two independent computations, one
+# through the estimator library on every enumerated group, one through value tables.)
+#
+# ### How good is the first-order approximation?
+#
+# `first_order_path(mdp, old, direction, steps)` walks
+# $\theta(s) = \theta_{\text{old}} + s\, u/\|u\|$ and returns, at each step, the true improvement
+# $J(\theta) - J(\theta_{\text{old}})$, the surrogate's $L_{\pi_{\text{old}}}(\pi_\theta) -
+# J(\theta_{\text{old}})$, the sequence-IS objective's, the gap $J - L$, the trust-region bound
+# $2\varepsilon\alpha^2 L(L-1)$ with $\alpha = \max_s \mathrm{TV}(\pi_\theta(\cdot\mid s),
+# \pi_{\text{old}}(\cdot\mid s))$ and $\varepsilon = \max_{s,a}|A^{\pi_{\text{old}}}(s, a)|$
+# (the finite-horizon form of TRPO's Theorem 1), and the gradient error
+# $\|\nabla L - \nabla J\|$. We start at $\theta_{\text{old}} = \theta$ of our policy and follow
+# $\nabla J(\theta_{\text{old}})$, the direction an optimizer would take.
+#
+# First a consistency check: the token-IS bias at stale distance $d$ from the sweep must be the
+# gradient error of the path at step $s = d$ from that stale policy, because `stale_copy` moved
+# back along exactly that direction.
 
-### How good is the first-order approximation?
-
-`first_order_path(mdp, old, direction, steps)` walks
-$\theta(s) = \theta_{\text{old}} + s\, u/\|u\|$ and returns, at each step, the true improvement
-$J(\theta) - J(\theta_{\text{old}})$, the surrogate's $L_{\pi_{\text{old}}}(\pi_\theta) -
-J(\theta_{\text{old}})$, the sequence-IS objective's, the gap $J - L$, the trust-region bound
-$2\varepsilon\alpha^2 L(L-1)$ with $\alpha = \max_s \mathrm{TV}(\pi_\theta(\cdot\mid s),
-\pi_{\text{old}}(\cdot\mid s))$ and $\varepsilon = \max_{s,a}|A^{\pi_{\text{old}}}(s, a)|$
-(the finite-horizon form of TRPO's Theorem 1), and the gradient error
-$\|\nabla L - \nabla J\|$. We start at $\theta_{\text{old}} = \theta$ of our policy and follow
-$\nabla J(\theta_{\text{old}})$, the direction an optimizer would take.
-
-First a consistency check: the token-IS bias at stale distance $d$ from the sweep must be the
-gradient error of the path at step $s = d$ from that stale policy, because `stale_copy` moved
-back along exactly that direction.
-""")
-
-code(r"""
+# %%
 row = sweep[DISTANCES.index(1.0)]
 (point,) = first_order_path(mdp, row["old"], grad_J, [row["distance"]])
 bias_norm = float(row["tok"].bias.norm())
@@ -529,9 +505,8 @@ print(f"d = {row['distance']}: token-IS ||bias|| from moments = {bias_norm:.12f}
       f"gradient error of the path = {point.gradient_error:.12f}   "
       f"difference = {bias_norm - point.gradient_error:.1e}")
 assert abs(bias_norm - point.gradient_error) < EXACT_TOL
-""")
 
-code(r"""
+# %%
 STEPS = torch.logspace(-3, 1, 13, dtype=torch.float64).tolist()
 direction = gradient(mdp, pi)
 path = first_order_path(mdp, pi, direction, STEPS)
@@ -556,16 +531,15 @@ for p, kl in zip(path, path_kl):
           f"{p.gradient_error:>10.2e} {kl:>9.2e} {p.gap / kl:>7.4f}")
     assert abs(p.sequence_is_improvement - p.true_improvement) < EXACT_TOL
     assert abs(p.gap) <= p.bound
-""")
 
-md(r"""
-The sequence-IS objective reproduces the true improvement at every step (it is exact, whatever the
-distance), and $|J - L|$ stays under the trust-region bound (loose here by about two orders of
-magnitude, as worst-case bounds are). The orders follow from a log-log fit on the small steps:
-the gap should have slope 2 and the gradient error slope 1.
-""")
 
-code(r"""
+# %% [markdown]
+# The sequence-IS objective reproduces the true improvement at every step (it is exact, whatever the
+# distance), and $|J - L|$ stays under the trust-region bound (loose here by about two orders of
+# magnitude, as worst-case bounds are). The orders follow from a log-log fit on the small steps:
+# the gap should have slope 2 and the gradient error slope 1.
+
+# %%
 def loglog_slope(xs, ys):
     # least-squares slope of log y against log x
     lx = torch.log(torch.tensor(xs, dtype=torch.float64))
@@ -583,20 +557,18 @@ print(f"{'quantity':>16} {'fitted slope':>13} {'theory':>7} {'difference':>11}")
 for name, slope, theory in fits:
     print(f"{name:>16} {slope:>13.4f} {theory:>7.1f} {slope - theory:>+11.4f}")
     assert abs(slope - theory) < SLOPE_TOL
-""")
 
-md(r"""
-Since the KL between nearby policies is itself second order in the step
-($\mathrm{KL} \approx \tfrac12 s^2\, u^\top F u$ with $F$ the Fisher information), the gap is
-**first order in the KL**: the ratio gap/KL in the table above settles to a constant for small
-steps. Pinsker's inequality, $\mathrm{TV} \le \sqrt{\mathrm{KL}/2}$ at every state, turns the
-trust-region bound into a KL bound,
-$|J - L| \le 2\varepsilon\alpha^2 L(L-1) \le \varepsilon\, L(L-1)\max_s
-\mathrm{KL}\big(\pi_{\text{old}}(\cdot\mid s)\,\|\,\pi_\theta(\cdot\mid s)\big)$ — the form TRPO
-constrains.
-""")
+# %% [markdown]
+# Since the KL between nearby policies is itself second order in the step
+# ($\mathrm{KL} \approx \tfrac12 s^2\, u^\top F u$ with $F$ the Fisher information), the gap is
+# **first order in the KL**: the ratio gap/KL in the table above settles to a constant for small
+# steps. Pinsker's inequality, $\mathrm{TV} \le \sqrt{\mathrm{KL}/2}$ at every state, turns the
+# trust-region bound into a KL bound,
+# $|J - L| \le 2\varepsilon\alpha^2 L(L-1) \le \varepsilon\, L(L-1)\max_s
+# \mathrm{KL}\big(\pi_{\text{old}}(\cdot\mid s)\,\|\,\pi_\theta(\cdot\mid s)\big)$ — the form TRPO
+# constrains.
 
-code(r"""
+# %%
 with torch.no_grad():
     eps_A = float(values(mdp, pi).A.abs().max())        # ε = max |A^{π_old}(s, a)|
 kl_bound = [eps_A * L * (L - 1) * k for k in path_max_state_kl]
@@ -627,36 +599,33 @@ plt.show()
 assert all(p.bound <= b * (1 + EXACT_TOL) for p, b in zip(path, kl_bound))
 print(f"gap / KL at the three smallest steps: "
       f"{[round(p.gap / k, 5) for p, k in zip(path[:3], path_kl[:3])]}")
-""")
 
-md(r"""
-That is the whole case for token-level estimators: their bias is the error of a first-order
-approximation, small exactly when $\pi_\theta$ stays KL-close to the policy that produced the
-data. Keeping it close is what clipping is for.
-""")
 
-# ============================================================================ 3. PPO clip
-md(r"""
-## 3. PPO's clip under staleness
+# %% [markdown]
+# That is the whole case for token-level estimators: their bias is the error of a first-order
+# approximation, small exactly when $\pi_\theta$ stays KL-close to the policy that produced the
+# data. Keeping it close is what clipping is for.
 
-PPO (Schulman et al. 2017, arXiv 1707.06347) replaces the token term $r_t \hat A$ by
-$\min\big(r_t \hat A,\ \mathrm{clip}(r_t, 1-\varepsilon, 1+\varepsilon)\hat A\big)$. Its gradient is
-the token-IS gradient with a mask: $M_t\, r_t \hat A\, \nabla\log\pi_\theta$, where $M_t = 0$
-exactly when the ratio has already moved past the clip range in the direction the advantage pushes
-($\hat A > 0,\ r_t > 1+\varepsilon$ or $\hat A < 0,\ r_t < 1-\varepsilon$). So:
+# %% [markdown]
+# ## 3. PPO's clip under staleness
+#
+# PPO (Schulman et al. 2017, arXiv 1707.06347) replaces the token term $r_t \hat A$ by
+# $\min\big(r_t \hat A,\ \mathrm{clip}(r_t, 1-\varepsilon, 1+\varepsilon)\hat A\big)$. Its gradient is
+# the token-IS gradient with a mask: $M_t\, r_t \hat A\, \nabla\log\pi_\theta$, where $M_t = 0$
+# exactly when the ratio has already moved past the clip range in the direction the advantage pushes
+# ($\hat A > 0,\ r_t > 1+\varepsilon$ or $\hat A < 0,\ r_t < 1-\varepsilon$). So:
+#
+# * if no token is clipped, PPO's expected gradient is **exactly** $\nabla L_\mu(\pi_\theta)$;
+# * clipped tokens lose their gradient entirely; the tokens that keep it include those that moved
+#   the "wrong" way, whose gradient pulls $\pi_\theta$ back toward $\pi_{\text{old}}$.
+#
+# The **clip fraction** that trainers log is the share of tokens with $M_t = 0$. For $G = 2$ and the
+# leave-one-out advantage $\hat A_1 = R_1 - R_2$ we can compute its exact expectation by enumerating
+# every response together with its partner. We report the pooled fraction
+# $\mathbb{E}[\#\text{clipped tokens}] / \mathbb{E}[\#\text{tokens}]$, what a large batch measures,
+# using the library's own `ppo_keep_mask`.
 
-* if no token is clipped, PPO's expected gradient is **exactly** $\nabla L_\mu(\pi_\theta)$;
-* clipped tokens lose their gradient entirely; the tokens that keep it include those that moved
-  the "wrong" way, whose gradient pulls $\pi_\theta$ back toward $\pi_{\text{old}}$.
-
-The **clip fraction** that trainers log is the share of tokens with $M_t = 0$. For $G = 2$ and the
-leave-one-out advantage $\hat A_1 = R_1 - R_2$ we can compute its exact expectation by enumerating
-every response together with its partner. We report the pooled fraction
-$\mathbb{E}[\#\text{clipped tokens}] / \mathbb{E}[\#\text{tokens}]$, what a large batch measures,
-using the library's own `ppo_keep_mask`.
-""")
-
-code(r"""
+# %%
 def exact_clip_fraction(mdp, pi, pi_old, eps):
     # E[#clipped tokens] / E[#tokens] for G = 2, Â_1 = R_1 - R_2, both responses drawn from π_old
     enum = mdp.enumerate()
@@ -678,16 +647,15 @@ def exact_clip_fraction(mdp, pi, pi_old, eps):
         clipped += float(mdp.prompt_probs[x] * (mu[:, None] * mu[None, :] * clipped_NN).sum())
         tokens += float(mdp.prompt_probs[x] * (mu * enum.length[rows]).sum())
     return clipped / tokens
-""")
 
-md(r"""
-Before using it, a Monte Carlo check of this function against the trainer's code path: sample
-groups from $\pi_{\text{old}}$ with `sample`, run `prepare` and `loss` of the PPO estimator, and
-read `metrics["clip_fraction"]`. Eight independent batches of 2000 responses give a mean and a
-standard error.
-""")
 
-code(r"""
+# %% [markdown]
+# Before using it, a Monte Carlo check of this function against the trainer's code path: sample
+# groups from $\pi_{\text{old}}$ with `sample`, run `prepare` and `loss` of the PPO estimator, and
+# read `metrics["clip_fraction"]`. Eight independent batches of 2000 responses give a mean and a
+# standard error.
+
+# %%
 EPS_CHECK, d_check = 0.1, 0.5
 stale = sweep[DISTANCES.index(d_check)]["old"]
 ppo_check = rloo(PPOClip(eps_low=EPS_CHECK, eps_high=EPS_CHECK))
@@ -706,15 +674,13 @@ print(f"ε = {EPS_CHECK}, d = {d_check}: clip fraction Monte Carlo = {estimate:.
       f"exact = {exact:.5f}   difference = {estimate - exact:+.5f} "
       f"({(estimate - exact) / se:+.2f} s.e.)")
 assert abs(estimate - exact) < Z_TOL * se
-""")
 
-md(r"""
-Now the exact moments of PPO for a few clip ranges and stale distances (the token-IS column is
-$\varepsilon = \infty$). We report the cosine of $\mathbb{E}[\hat g]$ with $\nabla J$, its distance
-to $\nabla L_\mu$ (zero when nothing is clipped), its norm, and the clip fraction.
-""")
+# %% [markdown]
+# Now the exact moments of PPO for a few clip ranges and stale distances (the token-IS column is
+# $\varepsilon = \infty$). We report the cosine of $\mathbb{E}[\hat g]$ with $\nabla J$, its distance
+# to $\nabla L_\mu$ (zero when nothing is clipped), its norm, and the clip fraction.
 
-code(r"""
+# %%
 EPSILONS = [0.05, 0.1, 0.2]
 PPO_DISTANCES = [0.1, 0.25, 0.5, 1.0]
 ppo = {}
@@ -735,9 +701,8 @@ for d in PPO_DISTANCES:
               f"{float(m.mean.norm() / grad_J.norm()):>15.4f} {m.total_variance:>9.4f}")
         if fraction == 0.0:
             assert to_L < EXACT_TOL          # nothing clipped: PPO is token IS, mean ∇L exactly
-""")
 
-code(r"""
+# %%
 fig, (ax_c, ax_f) = plt.subplots(1, 2, figsize=(12, 4.2))
 for eps in EPSILONS + [math.inf]:
     label = "token IS (ε = ∞)" if eps == math.inf else f"PPO ε = {eps}"
@@ -754,42 +719,38 @@ ax_f.set_ylabel("exact clip fraction")
 ax_f.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
-""")
 
-md(r"""
-Three regimes are visible. While the ratios stay inside $[1-\varepsilon, 1+\varepsilon]$, PPO *is*
-token-level IS, mean $\nabla L_\mu$ to the last digit. Once the policy has moved about as far as
-$\varepsilon$ allows, the clip removes the gradient of exactly those tokens that already got what
-the advantage asked for; the expected gradient shrinks and turns away from $\nabla J$. Far past
-the clip range almost every token that pushes further is masked, and what remains are the tokens
-that moved against their advantage: the mean gradient now points *back* toward $\pi_{\text{old}}$
-(a negative cosine for the smallest $\varepsilon$). Clipping is not an estimator of $\nabla J$; it
-is a brake that keeps the first-order approximation valid by stopping the step.
-""")
+# %% [markdown]
+# Three regimes are visible. While the ratios stay inside $[1-\varepsilon, 1+\varepsilon]$, PPO *is*
+# token-level IS, mean $\nabla L_\mu$ to the last digit. Once the policy has moved about as far as
+# $\varepsilon$ allows, the clip removes the gradient of exactly those tokens that already got what
+# the advantage asked for; the expected gradient shrinks and turns away from $\nabla J$. Far past
+# the clip range almost every token that pushes further is masked, and what remains are the tokens
+# that moved against their advantage: the mean gradient now points *back* toward $\pi_{\text{old}}$
+# (a negative cosine for the smallest $\varepsilon$). Clipping is not an estimator of $\nabla J$; it
+# is a brake that keeps the first-order approximation valid by stopping the step.
 
-# ============================================================================ 4. discrepancy
-md(r"""
-## 4. The training–inference discrepancy
+# %% [markdown]
+# ## 4. The training–inference discrepancy
+#
+# Now freeze staleness: $\pi_\theta = \pi_{\text{old}}$ (the first mini-batch of a step), and let
+# the sampler be an inference engine with other numerics, built with `inference_copy`: the same
+# logits plus a fixed Gaussian perturbation (standard deviation 0.5 per state and token), rounded to
+# 3 mantissa bits — exaggerated so that the effects are visible on a tiny MDP. Four corrections act
+# on the detached factor $w_t = \pi_{\text{old}}/\mu$ (the surrogate's own ratio $r_t$ is 1 here):
+#
+# * **no correction** — treat $\mu$'s samples as if $\pi_{\text{old}}$ had drawn them;
+# * **IS** — multiply by $w$;
+# * **truncated IS** (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you
+#   off-policy RL training") — multiply by $\min(w, C)$;
+# * **masked IS** (MIS; IcePop, arXiv 2510.18855) — multiply by $w\,\mathbf 1\{w \le C\}$, dropping
+#   the samples whose ratio is too large; we keep masked tokens in the normalizer.
+#
+# Each at the token level ($w_t$) or the sequence level ($W = \prod_t w_t$). From sections 1 and 2
+# we already know two answers: sequence-level IS is unbiased, and token-level IS has mean
+# $\nabla L_\mu(\pi_{\text{old}})$.
 
-Now freeze staleness: $\pi_\theta = \pi_{\text{old}}$ (the first mini-batch of a step), and let
-the sampler be an inference engine with other numerics, built with `inference_copy`: the same
-logits plus a fixed Gaussian perturbation (standard deviation 0.5 per state and token), rounded to
-3 mantissa bits — exaggerated so that the effects are visible on a tiny MDP. Four corrections act
-on the detached factor $w_t = \pi_{\text{old}}/\mu$ (the surrogate's own ratio $r_t$ is 1 here):
-
-* **no correction** — treat $\mu$'s samples as if $\pi_{\text{old}}$ had drawn them;
-* **IS** — multiply by $w$;
-* **truncated IS** (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you
-  off-policy RL training") — multiply by $\min(w, C)$;
-* **masked IS** (MIS; IcePop, arXiv 2510.18855) — multiply by $w\,\mathbf 1\{w \le C\}$, dropping
-  the samples whose ratio is too large; we keep masked tokens in the normalizer.
-
-Each at the token level ($w_t$) or the sequence level ($W = \prod_t w_t$). From sections 1 and 2
-we already know two answers: sequence-level IS is unbiased, and token-level IS has mean
-$\nabla L_\mu(\pi_{\text{old}})$.
-""")
-
-code(r"""
+# %%
 mu = inference_copy(pi, rounding=3, noise_std=0.5, generator=torch.Generator().manual_seed(1))
 enum = mdp.enumerate()
 with torch.no_grad():
@@ -814,17 +775,15 @@ grad_L_mu = flat_grad(surrogate(mdp, pi, mu), pi)
 print(f"\nsequence IS: ||E ĝ - ∇J|| = {float(is_seq.bias.norm()):.1e};   token IS: "
       f"||E ĝ - ∇L_μ(π_old)|| = {float((is_tok.mean - grad_L_mu).norm()):.1e}")
 assert is_seq.bias.norm() < EXACT_TOL and (is_tok.mean - grad_L_mu).norm() < EXACT_TOL
-""")
 
-md(r"""
-### A cap above every ratio changes nothing
+# %% [markdown]
+# ### A cap above every ratio changes nothing
+#
+# $\min(w, C) = w$ and $\mathbf 1\{w \le C\} = 1$ whenever $C$ exceeds every ratio $\mu$ can
+# produce, so TIS and MIS with such a cap must *be* IS — the same numbers, not approximately. We
+# take $C$ just above the largest ratio at each level.
 
-$\min(w, C) = w$ and $\mathbf 1\{w \le C\} = 1$ whenever $C$ exceeds every ratio $\mu$ can
-produce, so TIS and MIS with such a cap must *be* IS — the same numbers, not approximately. We
-take $C$ just above the largest ratio at each level.
-""")
-
-code(r"""
+# %%
 above_tok, above_seq = 1.01 * float(w_tok.max()), 1.01 * float(w_seq.max())
 same = {
     f"TIS token C={above_tok:.2f}": (with_correction(TruncatedIS(cap=above_tok)), is_tok),
@@ -843,25 +802,23 @@ for name, (m, reference) in same.items():
     print(f"{name:>22} {m.relative_bias:>10.5f} {reference.relative_bias:>13.5f} {diff:>12.1e} "
           f"{m.total_variance:>9.5f} {reference.total_variance:>12.5f}")
     assert diff < EXACT_TOL and abs(m.total_variance - reference.total_variance) < EXACT_TOL
-""")
 
-md(r"""
-### The bias–variance trade-off of the cap
+# %% [markdown]
+# ### The bias–variance trade-off of the cap
+#
+# Lowering $C$ below the largest ratio trades bias for variance. A step averages $B$ independent
+# groups, so its mean squared error is exactly
+#
+# $$
+# \mathrm{MSE}_B = \|\mathbb{E}[\hat g] - \nabla J\|^2
+# + \tfrac1B \operatorname{tr}\operatorname{Cov}[\hat g],
+# $$
+#
+# and which cap is best depends on $B$: with few groups the variance dominates, with many the bias
+# does. We sweep $C$ for token-level TIS, sequence-level TIS and sequence-level MIS, with
+# no correction and the two IS estimators as reference lines.
 
-Lowering $C$ below the largest ratio trades bias for variance. A step averages $B$ independent
-groups, so its mean squared error is exactly
-
-$$
-\mathrm{MSE}_B = \|\mathbb{E}[\hat g] - \nabla J\|^2
-+ \tfrac1B \operatorname{tr}\operatorname{Cov}[\hat g],
-$$
-
-and which cap is best depends on $B$: with few groups the variance dominates, with many the bias
-does. We sweep $C$ for token-level TIS, sequence-level TIS and sequence-level MIS, with
-no correction and the two IS estimators as reference lines.
-""")
-
-code(r"""
+# %%
 CAPS = [2.0, 1.5, 1.25, 1.1, 0.9]
 B = 64
 families = {
@@ -886,9 +843,8 @@ for name, ms in curves.items():
     for c, m in zip(CAPS, ms):
         print(f"{name:>14} {c:>5} {float(m.bias @ m.bias):>10.2e} {m.total_variance:>9.4f} "
               f"{mse_of(m, 1):>8.4f} {mse_of(m, B):>9.5f}")
-""")
 
-code(r"""
+# %%
 fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
 panels = [("||E ĝ − ∇J||²  (IS sequence: 0)", lambda m: float(m.bias @ m.bias)),
           ("total variance", lambda m: m.total_variance),
@@ -910,47 +866,43 @@ plt.show()
 best = {name: CAPS[min(range(len(CAPS)), key=lambda i: mse_of(ms[i], B))]
         for name, ms in curves.items()}
 print(f"cap with the lowest MSE_{B}: {best}")
-""")
 
-md(r"""
-What the exact numbers say:
+# %% [markdown]
+# What the exact numbers say:
+#
+# * **No correction** is biased, and so is **token-level IS**, only somewhat less: a token-level
+#   factor repairs the action probabilities at each visited state but not the state distribution or
+#   the values, which differ between $\mu$ and $\pi_{\text{old}}$ too. It is again the first-order
+#   surrogate, now around $\mu$.
+# * **Sequence-level IS** is unbiased but has the largest variance. Truncating it (TIS) is the
+#   gentlest way down: the bias grows smoothly as $C$ drops, the variance falls, and for a step of
+#   $B = 64$ groups the MSE is lowest at an intermediate cap.
+# * **Masking** (MIS) throws away whole responses whose ratio exceeds $C$, so its bias grows much
+#   faster once $C$ cuts into the bulk of the ratios; it is a tool against rare, huge ratios (a
+#   cap well above 1), not a variance dial.
+# * A cap below 1 cuts into the ratios near 1, the bulk of the distribution: every response is
+#   down-weighted, and bias takes over for every method.
+#
+# Real discrepancies are far smaller per token than ours, but responses are thousands of tokens
+# long, so the sequence ratio has the $(1+\chi^2)^T$ problem of section 1. That is why practice
+# combines token-level estimators (first order, low variance) with a truncated or masked factor
+# against the few tokens where the engines disagree badly.
 
-* **No correction** is biased, and so is **token-level IS**, only somewhat less: a token-level
-  factor repairs the action probabilities at each visited state but not the state distribution or
-  the values, which differ between $\mu$ and $\pi_{\text{old}}$ too. It is again the first-order
-  surrogate, now around $\mu$.
-* **Sequence-level IS** is unbiased but has the largest variance. Truncating it (TIS) is the
-  gentlest way down: the bias grows smoothly as $C$ drops, the variance falls, and for a step of
-  $B = 64$ groups the MSE is lowest at an intermediate cap.
-* **Masking** (MIS) throws away whole responses whose ratio exceeds $C$, so its bias grows much
-  faster once $C$ cuts into the bulk of the ratios; it is a tool against rare, huge ratios (a
-  cap well above 1), not a variance dial.
-* A cap below 1 cuts into the ratios near 1, the bulk of the distribution: every response is
-  down-weighted, and bias takes over for every method.
+# %% [markdown]
+# ## 5. Exercise: the bias of truncated IS, in closed form
+#
+# Take sequence-level TIS with cap $C = 1.25$ in the setting of section 4 ($\pi_\theta =
+# \pi_{\text{old}}$, sampler $\mu$, $G = 2$, $\hat A_1 = R_1 - R_2$, loss weight $1/2$). Write its
+# expected gradient as a sum over single responses, compute it **without** `moments`, using only
+# `sequence_probs`, `sequence_logprobs`, `mdp.rewards`, `mdp.prompt_probs` and `response_scores`,
+# and return the bias $\mathbb{E}[\hat g] - \nabla J$ as a flat vector.
+#
+# *Hints.* By symmetry the expected gradient is the expectation of the first sample's term,
+# $\min(W_1, C)\,(R_1 - R_2)\,\nabla\log\pi(y_1)$, with $y_1, y_2$ independent draws from
+# $\mu(\cdot\mid x)$. Split it into a term with $R_1$ and a term with $R_2$. Why does the second
+# term not vanish, although with $C = \infty$ it would?
 
-Real discrepancies are far smaller per token than ours, but responses are thousands of tokens
-long, so the sequence ratio has the $(1+\chi^2)^T$ problem of section 1. That is why practice
-combines token-level estimators (first order, low variance) with a truncated or masked factor
-against the few tokens where the engines disagree badly.
-""")
-
-# ============================================================================ 5. exercise
-md(r"""
-## 5. Exercise: the bias of truncated IS, in closed form
-
-Take sequence-level TIS with cap $C = 1.25$ in the setting of section 4 ($\pi_\theta =
-\pi_{\text{old}}$, sampler $\mu$, $G = 2$, $\hat A_1 = R_1 - R_2$, loss weight $1/2$). Write its
-expected gradient as a sum over single responses, compute it **without** `moments`, using only
-`sequence_probs`, `sequence_logprobs`, `mdp.rewards`, `mdp.prompt_probs` and `response_scores`,
-and return the bias $\mathbb{E}[\hat g] - \nabla J$ as a flat vector.
-
-*Hints.* By symmetry the expected gradient is the expectation of the first sample's term,
-$\min(W_1, C)\,(R_1 - R_2)\,\nabla\log\pi(y_1)$, with $y_1, y_2$ independent draws from
-$\mu(\cdot\mid x)$. Split it into a term with $R_1$ and a term with $R_2$. Why does the second
-term not vanish, although with $C = \infty$ it would?
-""")
-
-code(r"""
+# %%
 # Solution
 C_EXERCISE = 1.25
 
@@ -975,41 +927,33 @@ def tis_sequence_bias(mdp, pi, mu, cap):
 
 
 bias_answer = tis_sequence_bias(mdp, pi, mu, C_EXERCISE)
-""")
 
-code(r"""
+# %%
 # Check
 exact_tis = with_correction(TruncatedIS(cap=C_EXERCISE, level=Level.SEQUENCE))
 print(f"||your bias|| = {float(bias_answer.norm()):.10f}   ||bias from moments|| = "
       f"{float(exact_tis.bias.norm()):.10f}   max |difference| = "
       f"{float((bias_answer - exact_tis.bias).abs().max()):.1e}")
 assert torch.allclose(bias_answer, exact_tis.bias, rtol=0, atol=EXACT_TOL)
-""")
 
-md(r"""
-The truncated weight biases the estimator twice: directly, through $-\mathbb{E}_\mu[(W - C)^+ R\,
-\sigma]$, and through the baseline, because $\mathbb{E}_\mu[\min(W, C)\,\sigma] \ne 0$ once
-responses are truncated. A baseline is free only under exact importance weights.
-
-## Summary
-
-* $\rho_t = \pi_\theta/\mu$ factors exactly into training–inference discrepancy
-  $\pi_{\text{old}}/\mu$ times staleness $\pi_\theta/\pi_{\text{old}}$; surrogate ratios and
-  correction factors are two halves of the same weight.
-* **Sequence-level IS** is unbiased for $\nabla J$ at any distance; its second moment carries the
-  factor $1 + \chi^2(\pi_\theta\|\mu) \ge e^{\mathrm{KL}}$, which is $(1 + \chi^2_{\text{tok}})^T$
-  for responses of $T$ tokens.
-* **Token-level IS** has expectation exactly $\nabla L_\mu(\pi_\theta)$, the gradient of the
-  trust-region surrogate. Its bias is that surrogate's gradient error: first order in the step,
-  while the objective gap $J - L$ is second order, first order in the KL, and below the
-  trust-region bound.
-* **PPO's clip** leaves token IS untouched inside the clip range and removes the gradient of
-  tokens outside it; far from $\pi_{\text{old}}$ its mean gradient stops following $\nabla J$.
-* Against the **training–inference discrepancy**: TIS or MIS with a cap above every ratio is IS;
-  lowering the cap trades bias for variance, and the best cap depends on the batch size.
-""")
-
-
-
-if __name__ == "__main__":
-    NOTEBOOK.write(Path(__file__).with_name("03_off_policy_and_the_first_order_approximation.ipynb"))
+# %% [markdown]
+# The truncated weight biases the estimator twice: directly, through $-\mathbb{E}_\mu[(W - C)^+ R\,
+# \sigma]$, and through the baseline, because $\mathbb{E}_\mu[\min(W, C)\,\sigma] \ne 0$ once
+# responses are truncated. A baseline is free only under exact importance weights.
+#
+# ## Summary
+#
+# * $\rho_t = \pi_\theta/\mu$ factors exactly into training–inference discrepancy
+#   $\pi_{\text{old}}/\mu$ times staleness $\pi_\theta/\pi_{\text{old}}$; surrogate ratios and
+#   correction factors are two halves of the same weight.
+# * **Sequence-level IS** is unbiased for $\nabla J$ at any distance; its second moment carries the
+#   factor $1 + \chi^2(\pi_\theta\|\mu) \ge e^{\mathrm{KL}}$, which is $(1 + \chi^2_{\text{tok}})^T$
+#   for responses of $T$ tokens.
+# * **Token-level IS** has expectation exactly $\nabla L_\mu(\pi_\theta)$, the gradient of the
+#   trust-region surrogate. Its bias is that surrogate's gradient error: first order in the step,
+#   while the objective gap $J - L$ is second order, first order in the KL, and below the
+#   trust-region bound.
+# * **PPO's clip** leaves token IS untouched inside the clip range and removes the gradient of
+#   tokens outside it; far from $\pi_{\text{old}}$ its mean gradient stops following $\nabla J$.
+# * Against the **training–inference discrepancy**: TIS or MIS with a cap above every ratio is IS;
+#   lowering the cap trades bias for variance, and the best cap depends on the batch size.
