@@ -13,7 +13,7 @@ for a batch of states that share a depth ``k`` (``prefix`` is ``[N, k]``), and
 :mod:`tokenmdp.exact.ground_truth` walk level by level.
 
 * :class:`TabularPolicy` — one free logit vector per state (the softmax tabular policy);
-* :class:`LogLinearPolicy` — ``logit(s, a) = w . phi(s, a)`` with shared weights over one-hot
+* :class:`LogLinearPolicy` — ``logit(s, a) = w · phi(s, a)`` with shared weights over one-hot
   features of (token), (prompt, token), (previous token, token), (depth, token) and
   the count of the token in the prefix;
 * :class:`NeuralPolicy` — a small MLP over embeddings of the prompt, the depth, the previous token
@@ -134,7 +134,7 @@ class TabularPolicy(PrefixPolicy):
 
 
 class LogLinearPolicy(PrefixPolicy):
-    """``logit(s, a) = w . phi(s, a)`` with weights shared across states.
+    """``logit(s, a) = w · phi(s, a)`` with weights shared across states.
 
     ``phi`` is the concatenation of one-hot features of ``a``, ``(prompt, a)``,
     ``(previous token, a)`` (the previous token is the prompt's last token at depth 0),
