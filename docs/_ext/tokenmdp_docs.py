@@ -1,0 +1,217 @@
+"""Pages the documentation generates from the package itself, so that none of them can drift.
+
+* ``tutorials/`` — the tutorial sources (``tutorials/NN_*.py``, jupytext percent scripts) and an
+  index listing them by their titles; MyST-NB reads and executes them;
+* ``estimators/`` — one card per registry entry (:func:`tokenmdp.cards.card_markdown`), with its
+  exact relative bias, cosine, variance and MSE on the reference MDP computed now;
+* ``api/`` — one page per public module, listing exactly the names of its ``__all__``.
+
+Every generated folder is rewritten at each build (files whose text is unchanged are left alone,
+so the notebook cache and incremental builds keep working) and is ignored by git.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1]
+ROOT = DOCS.parent
+
+# (module, one-line description), in reading order; a name documented on an earlier page is not
+# documented again (the later module only re-exports it).
+API_MODULES = [
+    ("tokenmdp", "the one batch type both worlds share"),
+    ("tokenmdp.packing", "packing sequences into rows, layouts, micro-batches"),
+    ("tokenmdp.distributed", "step counts over data-parallel ranks, the DDP loss scale"),
+    ("tokenmdp.interop", "TokenBatch to and from Hugging Face padded tensors"),
+    ("tokenmdp.estimators", "advantages, surrogates, corrections, aggregation, KL; the registry"),
+    ("tokenmdp.exact", "the enumerable token MDP: ground truth, behaviour policies, moments"),
+    ("tokenmdp.exact.rewards", "rewards of the exact world"),
+    ("tokenmdp.model", "the Mixture-of-Experts transformer with routing record and replay"),
+    ("tokenmdp.rl", "the rollout engine, routing replay, training–inference metrics"),
+    ("tokenmdp.rl.config", "every trainer option"),
+    ("tokenmdp.rl.update", "one optimizer update"),
+    ("tokenmdp.rl.trainer", "the training loop and SFT"),
+    ("tokenmdp.rl.tasks", "verifiable tasks and the character tokenizer"),
+    ("tokenmdp.rl.logger", "metrics.jsonl and TensorBoard"),
+    ("tokenmdp.rl.plot", "training curves"),
+    ("tokenmdp.rl.cli_commands", "the sft, train and plot commands, generated from TrainConfig"),
+    ("tokenmdp.testing", "layout and micro-batch invariance checks, hypothesis strategies"),
+    ("tokenmdp.plots", "plots of the exact lab"),
+    ("tokenmdp.comparison", "the exact comparison behind tokenmdp compare"),
+    ("tokenmdp.cards", "estimator cards"),
+]
+
+
+
+
+# Where each object is documented: alias name -> documented name, for the resolver below.
+CANONICAL: dict[str, str] = {}
+MODULE_PAGES: dict[str, str] = {}
+
+
+def _record(documented: str, obj, module_name: str) -> None:
+    """Let references by the defining module's name, or by a unique short name, find ``obj``."""
+    CANONICAL[documented] = documented
+    owner, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(owner, str) and isinstance(qualname, str):
+        CANONICAL.setdefault(f"{owner}.{qualname}", documented)
+        MODULE_PAGES.setdefault(owner, module_name)
+    short = documented.rsplit(".", 1)[1]
+    CANONICAL[short] = documented if CANONICAL.get(short, documented) == documented else ""
+    if inspect.isclass(obj):  # methods and attributes: Class.member by any of the names
+        for member in vars(obj):
+            if not member.startswith("_"):
+                for prefix in (documented, f"{owner}.{qualname}", short):
+                    CANONICAL.setdefault(f"{prefix}.{member}", f"{documented}.{member}")
+
+
+def _resolve(app, env, node, contnode):
+    """``missing-reference``: retry a tokenmdp reference under the name it is documented by."""
+    if node.get("refdomain") != "py":
+        return None
+    target = node["reftarget"]
+    domain = env.get_domain("py")
+    if node["reftype"] == "mod":
+        page = MODULE_PAGES.get(target)
+        if page is None or page == target:
+            return None
+        return domain.resolve_xref(env, node["refdoc"], app.builder, "mod", page, node, contnode)
+    documented = CANONICAL.get(target) or CANONICAL.get(target.lstrip("~."))
+    if not documented or documented == target:
+        return None
+    return domain.resolve_xref(env, node["refdoc"], app.builder, "obj", documented, node,
+                               contnode)
+
+
+def _write(path: Path, text: str, keep: set[Path]) -> None:
+    keep.add(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def _prune(folder: Path, keep: set[Path]) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file() and path not in keep:
+            path.unlink()
+
+
+def _title(source: str) -> str:
+    match = re.search(r"^# # (.+)$", source, flags=re.M)
+    if match is None:
+        raise ValueError("tutorial source without a '# # Title' line")
+    return match.group(1)
+
+
+def write_tutorials() -> None:
+    out, keep = DOCS / "tutorials", set()
+    sources = sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
+    entries = []
+    for src in sources:
+        text = src.read_text()
+        _write(out / src.name, text, keep)
+        entries.append((src.stem, _title(text)))
+    lines = ["# Tutorials", "",
+             "Each tutorial asks one question and answers it exactly, next to a Monte Carlo",
+             "estimate. They are plain-text notebooks (jupytext percent scripts) in the",
+             "repository's `tutorials/` folder: open them in JupyterLab with jupytext",
+             "(`pip install -e \".[notebooks]\"`, then `jupyter lab tutorials/`), or run one as a",
+             "script with `python tutorials/01_the_exact_token_mdp.py`. The pages below were",
+             "executed when this site was built.", ""]
+    lines += [f"{i}. {{doc}}`{title} <{stem}>`" for i, (stem, title) in enumerate(entries, 1)]
+    lines += ["", "```{toctree}", ":hidden:", ":maxdepth: 1", ""]
+    lines += [stem for stem, _ in entries] + ["```", ""]
+    _write(out / "index.md", "\n".join(lines), keep)
+    _prune(out, keep)
+
+
+def write_estimator_cards(live: bool) -> None:
+    from tokenmdp import cards, estimators
+
+    out, keep = DOCS / "estimators", set()
+    names = estimators.names()
+    rows = cards.reference_rows(names) if live else {}
+    for name in names:
+        _write(out / f"{name}.md", cards.card_markdown(name, rows.get(name)), keep)
+    lines = ["# Estimator cards", "",
+             "One card per entry of the registry ({py:func}`tokenmdp.estimators.names`),",
+             "generated from the registry itself when this site was built: summary, formula,",
+             "paper, components and defaults, the names other frameworks use, and the exact",
+             "figures on the reference MDP. The same card in a terminal:",
+             "`tokenmdp estimators NAME`.", ""]
+    if live:
+        lines += [cards.REFERENCE.description if hasattr(cards.REFERENCE, "description")
+                  else str(cards.REFERENCE), ""]
+        lines += ["| estimator | rel. bias | cosine | total variance | MSE |",
+                  "|---|---:|---:|---:|---:|"]
+        for name in names:
+            r = rows[name]
+            lines.append(f"| {{doc}}`{name}` | {r['relative_bias']:.4f} | {r['cosine']:.4f} "
+                         f"| {r['total_variance']:.4g} | {r['mse']:.4g} |")
+        lines.append("")
+    else:
+        lines += ["(This build skipped the live figures: `TOKENMDP_DOCS_EXECUTE=0`.)", ""]
+    lines += ["```{toctree}", ":hidden:", ":maxdepth: 1", ""] + list(names) + ["```", ""]
+    _write(out / "index.md", "\n".join(lines), keep)
+    _prune(out, keep)
+
+
+def write_api_pages() -> None:
+    out, keep = DOCS / "api", set()
+    seen: dict[int, str] = {}
+    index = ["# API reference", "",
+             "Every public name of every public module: exactly the names in each module's",
+             "`__all__`. A name re-exported by a later module is documented once, where it",
+             "first appears below.", "", "| module | |", "|---|---|"]
+    pages = []
+    for module_name, blurb in API_MODULES:
+        module = importlib.import_module(module_name)
+        MODULE_PAGES[module_name] = module_name
+        names, again = [], []
+        for name in module.__all__:
+            if name.startswith("__"):
+                continue
+            obj = getattr(module, name)
+            if inspect.ismodule(obj):  # a submodule (tokenmdp.exact.rewards) has its own page
+                continue
+            key = id(obj)
+            if key in seen and not isinstance(obj, (int, float, str, tuple)):
+                again.append((name, seen[key]))
+                continue
+            seen.setdefault(key, f"{module_name}.{name}")
+            _record(f"{module_name}.{name}", obj, module_name)
+            names.append(name)
+        lines = [f"# `{module_name}`", "", "```{eval-rst}", f".. automodule:: {module_name}",
+                 "   :no-members:", "", f".. currentmodule:: {module_name}", "",
+                 ".. autosummary::", "   :toctree: generated", ""]
+        lines += [f"   {name}" for name in names] + ["```", ""]
+        if again:
+            lines += ["Also re-exported here: " + ", ".join(
+                f"`{name}` ({{py:obj}}`{target}`)" for name, target in again) + ".", ""]
+        page = module_name.replace(".", "_")
+        _write(out / f"{page}.md", "\n".join(lines), keep)
+        index.append(f"| {{doc}}`{module_name} <{page}>` | {blurb} |")
+        pages.append(page)
+    index += ["", "```{toctree}", ":hidden:", ":maxdepth: 1", ""] + pages + ["```", ""]
+    _write(out / "index.md", "\n".join(index), keep)
+    # autosummary writes api/generated/ itself; keep what it made
+    keep.update(p for p in (out / "generated").rglob("*") if p.is_file())
+    _prune(out, keep)
+
+
+def _generate(app, config=None) -> None:
+    live = os.environ.get("TOKENMDP_DOCS_EXECUTE", "1") != "0"
+    write_tutorials()
+    write_estimator_cards(live)
+    write_api_pages()
+
+
+def setup(app):
+    app.connect("config-inited", _generate)  # before the sources are discovered
+    app.connect("missing-reference", _resolve)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
