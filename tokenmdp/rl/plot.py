@@ -82,7 +82,8 @@ def plot_runs(run_dirs: str | Path | Sequence[str | Path], path: str | Path | No
     ------
     ValueError
         ``run_dirs``: empty, a folder missing, without ``metrics.jsonl``, or with an empty one;
-        ``metrics``: empty, or a metric no run logged.
+        ``metrics``: empty, or a metric no run logged; ``path``: its folder missing, or not
+        writable.
     """
     runs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(r) for r in run_dirs]
     if not runs:
@@ -140,6 +141,13 @@ def plot_runs(run_dirs: str | Path | Sequence[str | Path], path: str | Path | No
     if path is None and len(runs) == 1:
         path = runs[0] / "curves.png"
     if path is not None:
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-        plt.close(fig)
+        path = Path(path)
+        try:
+            if not path.parent.is_dir():
+                raise ValueError(f"path: the folder {path.parent} of {path} does not exist")
+            fig.savefig(path, dpi=120, bbox_inches="tight")
+        except OSError as err:
+            raise ValueError(f"path: cannot write {path}: {err.strerror or err}") from None
+        finally:
+            plt.close(fig)
     return fig
