@@ -2,9 +2,11 @@
 
 Subcommands:
 
-* ``tokenmdp compare`` — the main job: exact bias, variance and MSE of estimators on a small MDP,
-  as a table, a PNG plot and CSV/JSON files;
-* ``tokenmdp estimators`` — the estimator registry as a table;
+* ``tokenmdp compare`` — the main job: exact bias, variance and MSE of estimators on a small MDP
+  (:mod:`tokenmdp.comparison`), as a table with a legend and hints (:mod:`tokenmdp.compare_hints`),
+  a PNG plot and CSV/JSON files;
+* ``tokenmdp estimators`` — the estimator registry as a table; ``tokenmdp estimators NAME`` — one
+  estimator's card (:mod:`tokenmdp.cards`);
 * ``tokenmdp exact`` — build a small token MDP and a policy, print the exact ``J`` and ``∇J``;
 * ``tokenmdp sft`` / ``tokenmdp train`` — the trainer (:mod:`tokenmdp.rl.trainer`), options generated
   from :class:`tokenmdp.rl.config.TrainConfig`;
@@ -15,67 +17,59 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import sys
-import time
+import textwrap
 from pathlib import Path
 
-import torch
+from tokenmdp.comparison import METHODS, POLICIES, REWARDS, SCENARIOS, Setup
 
-REWARDS = ("count", "exact", "contains", "parity", "length", "random")
-SCENARIOS = ("on-policy", "stale", "discrepancy", "both")
 DEFAULT_ESTIMATORS = ("reinforce", "rloo", "token_is", "sequence_is", "ppo", "grpo", "dr_grpo",
                       "dapo", "gspo", "cispo", "minirl", "minirl_no_is", "minirl_len_norm")
-POLICIES = ("tabular", "loglinear", "neural")
+COMPARE = Setup()  # the defaults of `tokenmdp compare`
+WRAP = 100  # columns of the sentences around the table
 
 
-def build_reward(name: str, vocab_size: int):
-    """A built-in reward by name (targets chosen from the vocabulary)."""
-    from tokenmdp.exact import rewards
-
-    eos = vocab_size - 1
-    table = {
-        "count": lambda: rewards.TokenCount(0),
-        "exact": lambda: rewards.ExactMatch((0, min(1, eos - 1), eos)),
-        "contains": lambda: rewards.ContainsPattern((0, 0)),
-        "parity": lambda: rewards.Parity(1),
-        "length": lambda: rewards.LengthReward(-0.1, content=rewards.TokenCount(0)),
-        "random": lambda: rewards.RandomTable(seed=0),
-    }
-    if name not in table:
-        raise ValueError(f"reward: expected one of {', '.join(REWARDS)}, got {name!r}")
-    return table[name]()
-
-
-def add_mdp_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options that describe a small exact MDP and its policy."""
+def add_mdp_arguments(parser: argparse.ArgumentParser, *, max_len: int = 4, reward: str = "count",
+                      prompts: int = 1) -> None:
+    """Options that describe a small exact MDP and its policy (with these defaults)."""
     group = parser.add_argument_group("MDP")
-    group.add_argument("--vocab", type=int, default=3, help="vocabulary size V (last token EOS)")
-    group.add_argument("--max-len", type=int, default=4, help="maximum response length L")
-    group.add_argument("--reward", choices=REWARDS, default="count", help="reward function")
-    group.add_argument("--prompts", type=int, default=1,
+    group.add_argument("--vocab", type=int, default=COMPARE.vocab,
+                       help="vocabulary size V (last token EOS)")
+    group.add_argument("--max-len", type=int, default=max_len, help="maximum response length L")
+    group.add_argument("--reward", choices=REWARDS, default=reward, help="reward function")
+    group.add_argument("--prompts", type=int, default=prompts,
                        help="number of prompts (0,), (1,), ... with uniform probabilities")
-    group.add_argument("--policy", choices=POLICIES, default="tabular", help="policy class")
-    group.add_argument("--seed", type=int, default=0, help="seed of the policy's initialization")
+    group.add_argument("--policy", choices=POLICIES, default=COMPARE.policy, help="policy class")
+    group.add_argument("--seed", type=int, default=COMPARE.seed,
+                       help="seed of the policy's initialization")
+
+
+def _setup(args: argparse.Namespace, **fixed) -> Setup:
+    """The :class:`Setup` named by the parsed options (``fixed`` for what a command lacks)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Setup)
+             if hasattr(args, f.name)}
+    try:
+        return Setup(**{**given, **fixed})
+    except ValueError as err:  # name the option, not the field
+        field, _, rest = str(err).partition(": ")
+        raise ValueError(f"--{field.replace('_', '-')}: {rest}") from None
 
 
 def build_mdp_and_policy(args: argparse.Namespace):
     """The MDP and policy described by :func:`add_mdp_arguments`'s options."""
-    from tokenmdp.exact import LogLinearPolicy, NeuralPolicy, TabularPolicy, TokenMDP
+    from tokenmdp.comparison import build_mdp
 
-    if args.vocab >= 2 and not 1 <= args.prompts <= args.vocab - 1:
-        raise ValueError(f"--prompts: must be in [1, {args.vocab - 1}] (one token per prompt)")
-    mdp = TokenMDP(args.vocab, args.max_len, build_reward(args.reward, args.vocab),
-                   prompts=[(i,) for i in range(args.prompts)])
-    cls = {"tabular": TabularPolicy, "loglinear": LogLinearPolicy, "neural": NeuralPolicy}
-    policy = cls[args.policy](mdp, generator=torch.Generator().manual_seed(args.seed))
-    return mdp, policy
+    return build_mdp(_setup(args, scenario="on-policy"))
 
 
 def cmd_exact(args: argparse.Namespace) -> int:
     """Print the MDP's exact objective J and policy gradient ∇J."""
     from tokenmdp.exact import gradient, objective, token_entropy
 
+    if args.show < 0:
+        raise ValueError(f"--show: must be >= 0, got {args.show}")
     mdp, policy = build_mdp_and_policy(args)
     J = float(objective(mdp, policy).detach())
     g = gradient(mdp, policy)
@@ -89,81 +83,143 @@ def cmd_exact(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_scenario(args: argparse.Namespace, mdp, policy):
-    """``(behavior μ, old π_old)`` for the scenario: on-policy, stale, discrepancy or both."""
-    from tokenmdp.exact import inference_copy, stale_copy
+#: ``tokenmdp compare``'s columns: header, row key, format (``None``: text).
+COLUMNS = (("estimator", "estimator", None), ("rel. bias", "relative_bias", ".4f"),
+           ("cosine", "cosine", ".4f"), ("total var", "total_variance", ".4g"),
+           ("MSE", "mse", ".4g"), ("c*", "c_star", ".3g"), ("MSE(c*)", "mse_c_star", ".4g"),
+           ("method", "method", None), ("s", "seconds", ".1f"))
 
-    if args.scenario not in SCENARIOS:
-        raise ValueError(f"--scenario: expected one of {', '.join(SCENARIOS)}")
-    old = policy
-    if args.scenario in ("stale", "both"):
-        old = stale_copy(mdp, policy, distance=args.stale_distance)
-    behavior = old
-    if args.scenario in ("discrepancy", "both"):
-        rounding = None if args.rounding == "none" else (
-            int(args.rounding) if args.rounding.isdigit() else args.rounding)
-        behavior = inference_copy(old, rounding=rounding, noise_std=args.noise,
-                                  generator=torch.Generator().manual_seed(args.seed + 1))
-    return behavior, old
+
+_MIN_WIDTH = {".4f": 7, ".4g": 9, ".3g": 8, ".1f": 5}
+_SE_KEYS = ("relative_bias", "cosine", "total_variance", "mse")  # Moments.summary()'s *_se
+
+
+def column_widths(names: list[str], monte_carlo: bool) -> list[int]:
+    """Widths that fit the header, every name, ``exchangeability`` and the figures (with room for
+    ``±se`` when ``monte_carlo``): the table's minimum widths, so that tables line up."""
+    widths = []
+    for header, key, fmt in COLUMNS:
+        if key == "estimator":
+            width = max((len(n) for n in names), default=0)
+        elif key == "method":
+            width = len("exchangeability")
+        else:
+            width = _MIN_WIDTH[fmt] + (len("±1.2e-05") if monte_carlo and key in _SE_KEYS else 0)
+        widths.append(max(width, len(header)))
+    return widths
+
+
+def row_cells(row: dict) -> list[str]:
+    """One row's cells; ``value±se`` where the row has a ``*_se`` standard error."""
+    cells = []
+    for _, key, fmt in COLUMNS:
+        if fmt is None:
+            cells.append(str(row[key]))
+            continue
+        text = format(row[key], fmt)
+        if row.get(f"{key}_se") is not None:
+            text += f"±{row[f'{key}_se']:.2g}"
+        cells.append(text)
+    return cells
+
+
+def format_line(cells: list[str], widths: list[int]) -> str:
+    """Cells two spaces apart: the first left-aligned, the others right-aligned."""
+    return "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                     for i, (cell, w) in enumerate(zip(cells, widths, strict=True)))
+
+
+def _output_folder(value: str) -> Path:
+    """The ``--out`` folder, created; a clear error if it cannot be."""
+    out = Path(value)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out: cannot create the folder {out} ({err.strerror or err})") from None
+    return out
+
+
+def _write_outputs(out: Path, rows: list[dict], config: dict, title: str) -> None:
+    from tokenmdp.plots import plot_comparison
+
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    try:
+        with open(out / "compare.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+        (out / "compare.json").write_text(json.dumps({"config": config, "rows": rows}, indent=2))
+        plot_comparison(rows, out / "compare.png", title=title)
+    except OSError as err:
+        raise ValueError(f"--out: cannot write in {out} ({err.strerror or err})") from None
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Exact bias, variance and MSE of estimators against the true ∇J; table, PNG, CSV, JSON."""
-    from tokenmdp import estimators
-    from tokenmdp.exact import moments, sequence_kl
-    from tokenmdp.exact.step_gradients import state_action_jacobian
-    from tokenmdp.plots import plot_comparison
+    import torch
 
-    torch.set_num_threads(args.threads)
+    from tokenmdp import estimators
+    from tokenmdp.compare_hints import hints
+    from tokenmdp.comparison import LEGEND, build_lab, describe_scenario, timed_row
+    from tokenmdp.exact import sequence_kl
+
+    if args.threads < 1:
+        raise ValueError(f"--threads: must be >= 1, got {args.threads}")
     names = [n.strip() for n in args.estimators.split(",") if n.strip()]
-    ests = [estimators.get(n) for n in names]  # unknown names fail here, before any work
-    if args.group_size < 1:
-        raise ValueError(f"--group-size: must be >= 1, got {args.group_size}")
-    mdp, policy = build_mdp_and_policy(args)
-    behavior, old = build_scenario(args, mdp, policy)
-    print(mdp)
-    print(f"policy {type(policy).__name__} ({sum(p.numel() for p in policy.parameters())} "
-          f"parameters), scenario {args.scenario}, G = {args.group_size}")
-    if args.scenario != "on-policy":
-        print(f"KL(π_θ‖π_old) = {float(sequence_kl(mdp, policy, old).detach()):.4g}, "
-              f"KL(π_old‖μ) = {float(sequence_kl(mdp, old, behavior).detach()):.4g}")
-    jacobian = state_action_jacobian(mdp, policy)  # shared by every estimator at this θ
-    rows = []
-    header = (f"{'estimator':<18}{'rel. bias':>11}{'cosine':>9}{'dir. bias':>11}"
-              f"{'total var':>12}{'MSE':>12}{'method':>13}{'s':>6}")
+    if not names:
+        raise ValueError("--estimators: give at least one registry name")
+    for n in names:
+        estimators.get(n)  # unknown names fail here, before any work
+    setup = _setup(args)
+    out = _output_folder(args.out)
+    torch.set_num_threads(args.threads)
+    lab = build_lab(setup)
+    print(lab.mdp)
+    print(f"policy {type(lab.policy).__name__} "
+          f"({sum(p.numel() for p in lab.policy.parameters())} parameters)")
+    print(textwrap.fill(f"scenario {setup.scenario}: {describe_scenario(setup)}", WRAP))
+    if setup.scenario != "on-policy":
+        print(f"KL(π_θ‖π_old) = {float(sequence_kl(lab.mdp, lab.policy, lab.old).detach()):.4g}, "
+              f"KL(π_old‖μ) = {float(sequence_kl(lab.mdp, lab.old, lab.behavior).detach()):.4g}")
+    rows, results = [], []
+    for name in names:
+        row, m = timed_row(lab, name)
+        rows.append(row)
+        results.append(m)
+    cells = [row_cells(row) for row in rows]
+    widths = [max([w, *(len(c[i]) for c in cells)]) for i, w in
+              enumerate(column_widths(names, monte_carlo=setup.method == "monte_carlo"))]
+    header = format_line([h for h, _, _ in COLUMNS], widths)
     print(header)
     print("-" * len(header))
-    for name, est in zip(names, ests):
-        t0 = time.perf_counter()
-        m = moments(mdp, policy, est, group_size=args.group_size, behavior=behavior, old=old,
-                    reference=old, method=args.method, num_samples=args.samples,
-                    generator=torch.Generator().manual_seed(args.seed), jacobian=jacobian)
-        row = {"estimator": name, **m.summary(), "method": m.method,
-               "seconds": time.perf_counter() - t0}
-        rows.append(row)
-        print(f"{name:<18}{row['relative_bias']:>11.4f}{row['cosine']:>9.4f}"
-              f"{row['directional_bias']:>11.4f}{row['total_variance']:>12.4g}"
-              f"{row['mse']:>12.4g}{m.method:>13}{row['seconds']:>6.1f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / "compare.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
+    for line in cells:
+        print(format_line(line, widths))
+    print(f"no step at all (ĝ = 0): MSE = ‖∇J‖² = {rows[0]['no_step_mse']:.4g}")
+    print("columns:")
+    for column, meaning in LEGEND:
+        print(f"  {column:<10} {meaning}")
+    for hint in hints(lab, names, results):
+        print(textwrap.fill(f"hint: {hint}", WRAP, subsequent_indent="      "))
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    (out / "compare.json").write_text(json.dumps({"config": config, "rows": rows}, indent=2))
-    plot_comparison(rows, out / "compare.png",
-                    title=f"{mdp!r}, {args.scenario}, G = {args.group_size}")
+    _write_outputs(out, rows, config, f"{lab.mdp!r}\nscenario {setup.scenario}, "
+                                      f"G = {setup.group_size}")
     print(f"wrote {out / 'compare.png'}, {out / 'compare.csv'}, {out / 'compare.json'}")
     return 0
 
 
 def cmd_estimators(args: argparse.Namespace) -> int:
-    """List the estimator registry as a table."""
-    from tokenmdp.estimators import format_table
+    """List the estimator registry as a table, or print one estimator's card."""
+    from tokenmdp import estimators
 
-    print(format_table())
+    if args.name is None:
+        print(estimators.format_table())
+        return 0
+    estimators.describe(args.name)  # an unknown name fails here, with the registry's hint
+    from tokenmdp.cards import card_text, reference_rows
+
+    print(card_text(args.name, reference_rows([args.name])[args.name]))
     return 0
 
 
@@ -171,32 +227,40 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmdp", description="tokenmdp: exact estimator "
                                      "theory of RL for language models")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("compare", help=cmd_compare.__doc__, description=cmd_compare.__doc__)
-    add_mdp_arguments(p)
+    shown = argparse.ArgumentDefaultsHelpFormatter
+    p = sub.add_parser("compare", help=cmd_compare.__doc__, description=cmd_compare.__doc__,
+                       formatter_class=shown)
+    add_mdp_arguments(p, max_len=COMPARE.max_len, reward=COMPARE.reward, prompts=COMPARE.prompts)
     group = p.add_argument_group("scenario")
-    group.add_argument("--scenario", choices=SCENARIOS, default="both",
+    group.add_argument("--scenario", choices=SCENARIOS, default=COMPARE.scenario,
                        help="on-policy; stale (π_old ≠ π_θ); discrepancy (μ ≠ π_old); both")
-    group.add_argument("--stale-distance", type=float, default=0.5,
+    group.add_argument("--stale-distance", type=float, default=COMPARE.stale_distance,
                        help="‖θ − θ_old‖ along ∇J for the stale scenarios")
-    group.add_argument("--rounding", default="none",
+    group.add_argument("--rounding", default=COMPARE.rounding,
                        help="inference logits: none, bf16, fp16, fp8_e4m3 or a number of bits")
-    group.add_argument("--noise", type=float, default=0.3,
+    group.add_argument("--noise", type=float, default=COMPARE.noise,
                        help="std of the inference engine's fixed logit perturbation")
-    p.add_argument("--group-size", type=int, default=4, help="responses per prompt G")
+    p.add_argument("--group-size", type=int, default=COMPARE.group_size,
+                   help="responses per prompt G")
     p.add_argument("--estimators", default=",".join(DEFAULT_ESTIMATORS),
                    help="comma-separated registry names (see `tokenmdp estimators`)")
-    p.add_argument("--method", choices=("auto", "exact", "monte_carlo"), default="auto",
-                   help="exact enumeration of group draws, or Monte Carlo")
-    p.add_argument("--samples", type=int, default=4096, help="Monte Carlo batches")
+    p.add_argument("--method", choices=METHODS, default=COMPARE.method,
+                   help="exact enumeration of group draws, or Monte Carlo (auto: exact when it "
+                        "evaluates at most 200000 batches)")
+    p.add_argument("--samples", type=int, default=COMPARE.samples, help="Monte Carlo batches")
     p.add_argument("--out", default="compare_out", help="folder for the PNG, CSV and JSON")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads (the exact lab's many small operations run fastest "
                         "on one)")
-    p.set_defaults(func=cmd_compare, reward="random", prompts=2, max_len=3)
+    p.set_defaults(func=cmd_compare)
     p = sub.add_parser("estimators", help=cmd_estimators.__doc__,
-                       description=cmd_estimators.__doc__)
+                       description=cmd_estimators.__doc__, formatter_class=shown)
+    p.add_argument("name", nargs="?", default=None,
+                   help="an estimator's registry name: print its card (formula, paper, "
+                        "components, other names, exact figures on the reference MDP)")
     p.set_defaults(func=cmd_estimators)
-    p = sub.add_parser("exact", help=cmd_exact.__doc__, description=cmd_exact.__doc__)
+    p = sub.add_parser("exact", help=cmd_exact.__doc__, description=cmd_exact.__doc__,
+                       formatter_class=shown)
     add_mdp_arguments(p)
     p.add_argument("--show", type=int, default=8, help="number of gradient entries to print")
     p.set_defaults(func=cmd_exact)

@@ -3,7 +3,8 @@
 The module does not choose a backend: in a notebook figures show inline, on a headless machine
 matplotlib falls back to Agg by itself.
 
-* :func:`plot_comparison` — relative bias, cosine to ``∇J``, total variance and MSE per estimator;
+* :func:`plot_comparison` — relative bias, cosine to ``∇J``, total variance and MSE (raw and after
+  the best rescaling ``c*``) per estimator;
 * :func:`plot_first_order` — true vs surrogate improvement along a path, the gap and its bound;
 * :func:`plot_length_drift` — ``E|y|`` and ``J`` under exact gradient ascent per aggregation.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import matplotlib.ticker
+import numpy as np
 
 __all__ = ["plot_comparison", "plot_first_order", "plot_length_drift"]
 
@@ -26,34 +28,68 @@ def _save(fig, path: str | Path | None):
     return fig
 
 
+def _log_ticks(ax) -> None:
+    """Readable ticks on a log x axis however few decades it spans (labels at 1, 2, 5 × 10^k)."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.LogFormatterSciNotation(
+        labelOnlyBase=False, minor_thresholds=(np.inf, np.inf)))
+    ax.xaxis.set_minor_locator(matplotlib.ticker.LogLocator(base=10, subs="auto"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.tick_params(axis="x", labelsize=7, labelrotation=30)
+
+
 def plot_comparison(rows: Sequence[Mapping[str, float]], path: str | Path | None = None,
                     *, title: str = ""):
-    """Four panels of per-estimator figures.
+    """Per-estimator panels: relative bias, cosine to ``∇J``, total variance, and the MSE before
+    and after the best positive rescaling ``c*`` against ``‖∇J‖²`` (no step at all).
 
     Parameters
     ----------
     rows : sequence of mappings
         Each with ``estimator``, ``relative_bias``, ``cosine``, ``total_variance``, ``mse`` and,
-        optionally, ``*_se`` standard errors (drawn as error bars).
+        optionally, ``mse_c_star`` and ``no_step_mse`` (``tokenmdp.comparison.summary_row``)
+        and ``*_se`` standard errors (drawn as error bars).
     path : path, optional
         Where to write the PNG (the figure is returned either way).
+    title : str
+        The figure's title (above the panels' own titles).
     """
     names = [r["estimator"] for r in rows]
-    panels = [("relative_bias", "relative bias ‖E ĝ − ∇J‖/‖∇J‖", False),
-              ("cosine", "cosine(E ĝ, ∇J)", False),
-              ("total_variance", "total variance tr Cov ĝ", True),
-              ("mse", "MSE E‖ĝ − ∇J‖²", True)]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 0.35 * len(names) + 1.8), sharey=True)
-    y = range(len(names))
-    for ax, (key, label, log) in zip(axes, panels):
-        vals = [r[key] for r in rows]
+    panels = [("relative_bias", "relative bias", "‖E ĝ − ∇J‖ / ‖∇J‖", False),
+              ("cosine", "cosine to ∇J", "cos(E ĝ, ∇J)", False),
+              ("total_variance", "total variance", "tr Cov ĝ (log scale)", True),
+              ("mse", "mean squared error", "E‖c ĝ − ∇J‖² (log scale)", True)]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 0.32 * len(names) + 2.6), sharey=True,
+                             layout="constrained")
+    y = np.arange(len(names))
+    for ax, (key, name, label, log) in zip(axes, panels):
+        vals = np.array([r[key] for r in rows], dtype=float)
         err = [r.get(f"{key}_se", 0.0) or 0.0 for r in rows]
-        ax.barh(list(y), vals, xerr=err if any(err) else None, color="tab:blue", alpha=0.8)
-        ax.set_title(label, fontsize=9)
-        if log and all(v > 0 for v in vals):
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.grid(axis="x", alpha=0.3)
+        xerr = err if any(err) else None
+        log = log and len(vals) > 0 and bool((vals > 0).all())
+        if not log:   # bars from 0 on linear axes
+            ax.barh(y, vals, xerr=xerr, color="tab:blue", alpha=0.8)
+        elif key != "mse" or not all("mse_c_star" in r for r in rows):
+            ax.errorbar(vals, y, xerr=xerr, fmt="o", color="tab:blue")   # dots on log axes
+        else:
+            scaled = np.array([r["mse_c_star"] for r in rows], dtype=float)
+            log = bool((scaled > 0).all())
+            ax.hlines(y, scaled, vals, color="0.7", lw=1.5)
+            ax.errorbar(vals, y, xerr=xerr, fmt="o", color="tab:blue", label="MSE at c = 1")
+            ax.plot(scaled, y, "D", color="tab:orange", label="MSE(c*), best c ≥ 0")
+            if all("no_step_mse" in r for r in rows):
+                ax.axvline(rows[0]["no_step_mse"], color="k", ls="--", lw=1,
+                           label="‖∇J‖² (no step at all)")
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2,
+                      frameon=False)
+        if key == "cosine":
+            ax.axvline(0.0, color="k", lw=0.8)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel(label, fontsize=9)
+        if log:
+            _log_ticks(ax)
+        ax.grid(axis="x", which="major", alpha=0.3)
     axes[0].set_yticks(list(y), names, fontsize=8)
     axes[0].invert_yaxis()
     if title:
