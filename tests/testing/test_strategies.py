@@ -79,12 +79,18 @@ def test_layouts_keep_every_sequence_with_every_field(batch, layout):
         assert laid.num_rows == batch.num_sequences
 
 
+#: ``find`` of a case drawn with probability 1/10 per example: a random search of Hypothesis'
+#: default 100 examples missed one now and then (NoSuchExample); derandomized, with room to
+#: spare, the search is the same every run.
+FIND = settings(database=None, derandomize=True, max_examples=1000)
+
+
 @pytest.mark.parametrize("kind", testing.LAYOUT_KINDS)
 def test_every_layout_kind_is_drawn_with_and_without_permutation(kind):
     for permuted in (True, False):
         found = find(testing.layouts(), lambda lay, p=permuted: lay.kind == kind and (
-            lay.permutation_seed is not None) == p, settings=settings(database=None))
-        assert found.kind == kind
+            lay.permutation_seed is not None) == p, settings=FIND)
+        assert found.kind == kind and (found.permutation_seed is not None) == permuted
 
 
 def test_a_permutation_renumbers_the_sequences():
