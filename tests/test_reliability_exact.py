@@ -1,5 +1,6 @@
-"""Issue 16, the exact world at its edges: the memory budget refuses before allocating, and
-``moments(method="auto")`` says which method ran and seeds itself."""
+"""Issue 16, the exact world at its edges: the memory budget refuses before allocating,
+``moments(method="auto")`` says which method ran and seeds itself, and non-finite numbers are
+refused wherever a finite one is meant."""
 
 import os
 import subprocess
@@ -10,7 +11,15 @@ import pytest
 import torch
 
 from tokenmdp import estimators
-from tokenmdp.exact import TabularPolicy, TokenMDP, moments, rewards
+from tokenmdp.exact import (
+    LogLinearPolicy,
+    TabularPolicy,
+    TokenMDP,
+    inference_copy,
+    moments,
+    rewards,
+    stale_copy,
+)
 from tokenmdp.exact.budget import BUDGET_ENV, DEFAULT_MEMORY_BUDGET, memory_budget
 from tokenmdp.exact.mdp import enumeration_bytes
 
@@ -112,3 +121,37 @@ def test_auto_names_the_method_and_seeds_itself(small):
 def test_cli_compare_oversized_world_one_line(tmp_path):
     proc = run_cli("compare", "--vocab", "40", "--max-len", "6", "--out", str(tmp_path / "c"))
     assert_one_line_error(proc, "vocab_size=40", "max_len=6")
+
+
+# ------------------------------------------------------------------ non-finite numbers (class 9)
+NON_FINITE = [float("nan"), float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+@pytest.mark.parametrize("build, name", [
+    (lambda mdp, pi, x: stale_copy(mdp, pi, distance=x), "distance"),
+    (lambda mdp, pi, x: stale_copy(mdp, pi, steps=1, lr=x), "lr"),
+    (lambda mdp, pi, x: inference_copy(pi, noise_std=x, generator=torch.Generator()), "noise_std"),
+    (lambda mdp, pi, x: inference_copy(pi, temperature=x), "temperature"),
+    (lambda mdp, pi, x: TabularPolicy(mdp, generator=torch.Generator(), init_std=x), "init_std"),
+    (lambda mdp, pi, x: LogLinearPolicy(mdp, generator=torch.Generator(), init_std=x),
+     "init_std"),
+])
+def test_non_finite_numbers_rejected(small, build, name, bad):
+    mdp, policy = small
+    with pytest.raises(ValueError, match=f"^{name}: must be a finite number"):
+        build(mdp, policy, bad)
+
+
+def test_finite_edges_still_accepted(small):
+    mdp, policy = small
+    assert torch.equal(stale_copy(mdp, policy, distance=0).table, policy.table)
+    uniform = TabularPolicy(mdp, generator=torch.Generator(), init_std=0)
+    assert torch.equal(uniform.table, torch.zeros_like(uniform.table))
+
+
+@pytest.mark.parametrize("option, name", [("--noise", "noise_std"),
+                                          ("--stale-distance", "distance")])
+def test_cli_compare_rejects_nan(tmp_path, option, name):
+    proc = run_cli("compare", option, "nan", "--out", str(tmp_path / "c"))
+    assert_one_line_error(proc, f"error: {name}: must be a finite number")

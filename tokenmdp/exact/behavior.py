@@ -1,8 +1,8 @@
 """Behaviour policies: staleness and training–inference discrepancy, dialled separately.
 
-Three log-probs per token (docs: Concepts › Estimators, after Zheng et al. 2025, arXiv 2512.01374): ``pi_theta``
-(current), ``pi_old`` (training engine at the rollout weights) and ``mu`` (the inference engine that
-sampled). Here
+Three log-probs per token (docs: Concepts › Estimators, after Zheng et al. 2025,
+arXiv 2512.01374): ``pi_theta`` (current), ``pi_old`` (training engine at the rollout weights)
+and ``mu`` (the inference engine that sampled). Here
 
 * :func:`stale_copy` builds ``pi_old``: the same policy with its parameters moved back along a
   direction, or by ``k`` exact gradient steps, so ``pi_theta != pi_old`` (staleness);
@@ -21,7 +21,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from tokenmdp.exact.ground_truth import gradient
 from tokenmdp.exact.mdp import TokenMDP
-from tokenmdp.exact.policies import PrefixPolicy, check_policy
+from tokenmdp.exact.policies import PrefixPolicy, check_number, check_policy
 
 __all__ = ["InferencePolicy", "inference_copy", "stale_copy", "round_logits"]
 
@@ -84,10 +84,8 @@ class InferencePolicy(PrefixPolicy):
         if not isinstance(base, PrefixPolicy):
             raise TypeError(f"base: expected a PrefixPolicy, got {type(base).__name__}")
         super().__init__(base.mdp)
-        if noise_std < 0:
-            raise ValueError(f"noise_std: must be >= 0, got {noise_std}")
-        if not temperature > 0:
-            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        noise_std = check_number("noise_std", noise_std)
+        temperature = check_number("temperature", temperature, strict=True)
         round_logits(torch.zeros(1, dtype=torch.float64), rounding)  # validate early
         self.base = copy.deepcopy(base).requires_grad_(False)
         self.rounding, self.temperature = rounding, float(temperature)
@@ -136,8 +134,7 @@ def stale_copy(mdp: TokenMDP, policy: nn.Module, *, direction: torch.Tensor | No
     old = copy.deepcopy(policy)
     theta = parameters_to_vector(old.parameters()).detach()
     if distance is not None:
-        if distance < 0:
-            raise ValueError(f"distance: must be >= 0, got {distance}")
+        distance = check_number("distance", distance)
         u = gradient(mdp, old) if direction is None else torch.as_tensor(direction)
         if u.shape != theta.shape:
             raise ValueError(f"direction: expected shape {tuple(theta.shape)}, got "
@@ -150,8 +147,9 @@ def stale_copy(mdp: TokenMDP, policy: nn.Module, *, direction: torch.Tensor | No
         return old
     if steps < 0:
         raise ValueError(f"steps: must be >= 0, got {steps}")
-    if lr is None or not lr > 0:
-        raise ValueError(f"lr: a positive learning rate is required with steps, got {lr}")
+    if lr is None:
+        raise ValueError("lr: a positive learning rate is required with steps")
+    lr = check_number("lr", lr, strict=True)
     for _ in range(steps):
         g = gradient(mdp, old)
         theta = parameters_to_vector(old.parameters()).detach()

@@ -22,6 +22,8 @@ for a batch of states that share a depth ``k`` (``prefix`` is ``[N, k]``), and
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -29,6 +31,19 @@ from tokenmdp.batch import TokenBatch
 from tokenmdp.exact.mdp import TokenMDP
 
 __all__ = ["PrefixPolicy", "TabularPolicy", "LogLinearPolicy", "NeuralPolicy", "check_policy"]
+
+
+def check_number(name: str, value, *, minimum: float = 0.0, strict: bool = False) -> float:
+    """``value`` as a float, or ``ValueError`` naming ``name`` unless it is a finite real
+    ``>= minimum`` (``> minimum`` with ``strict``): NaN and infinities are never taken."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not (
+            isinstance(value, torch.Tensor) and value.numel() == 1):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    x = float(value)
+    if not math.isfinite(x) or x < minimum or (strict and x == minimum):
+        raise ValueError(f"{name}: must be a finite number {'>' if strict else '>='} {minimum:g}, "
+                         f"got {x}")
+    return x
 
 
 def _check_generator(generator: torch.Generator) -> None:
@@ -119,8 +134,7 @@ class TabularPolicy(PrefixPolicy):
     def __init__(self, mdp: TokenMDP, *, generator: torch.Generator, init_std: float = 1.0) -> None:
         super().__init__(mdp)
         _check_generator(generator)
-        if init_std < 0:
-            raise ValueError(f"init_std: must be >= 0, got {init_std}")
+        init_std = check_number("init_std", init_std)
         table = torch.randn(mdp.num_states, mdp.vocab_size, generator=generator,
                             dtype=torch.float64) * init_std
         self.table = nn.Parameter(table)
@@ -152,6 +166,7 @@ class LogLinearPolicy(PrefixPolicy):
     def __init__(self, mdp: TokenMDP, *, generator: torch.Generator, init_std: float = 0.5) -> None:
         super().__init__(mdp)
         _check_generator(generator)
+        init_std = check_number("init_std", init_std)
         V, P, L = mdp.vocab_size, mdp.num_prompts, mdp.max_len
 
         def init(*shape: int) -> nn.Parameter:
