@@ -70,6 +70,8 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(int|float|str|bool|bytes|object|None|list|tuple|dict|set|Callable|Sequence|"
                r"Mapping|Iterable|Iterator|Any|Path|Tensor|Generator|Enum|ABC|Protocol|"
                r"NamedTuple|Exception|ValueError|TypeError|RuntimeError)"),
+    # nn.Module.forward's docstring, inherited by the models' forward methods
+    (r"py:class", r"Module"),
 ]
 
 # -- HTML -----------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from tokenmdp.comparison import METHODS, POLICIES, REWARDS, SCENARIOS, Setup
 
+__all__ = ["main", "make_parser"]
+
 DEFAULT_ESTIMATORS = ("reinforce", "rloo", "token_is", "sequence_is", "ppo", "grpo", "dr_grpo",
                       "dapo", "gspo", "cispo", "minirl", "minirl_no_is", "minirl_len_norm")
 COMPARE = Setup()  # the defaults of `tokenmdp compare`
@@ -224,6 +226,13 @@ def cmd_estimators(args: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    """The ``tokenmdp`` argument parser, with one subparser per command.
+
+    Returns
+    -------
+    argparse.ArgumentParser
+        ``parse_args`` gives a namespace whose ``func`` runs the chosen command.
+    """
     parser = argparse.ArgumentParser(prog="tokenmdp", description="tokenmdp: exact estimator "
                                      "theory of RL for language models")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -25,12 +25,15 @@ ROOT = DOCS.parent
 # documented again (the later module only re-exports it).
 API_MODULES = [
     ("tokenmdp", "the one batch type both worlds share"),
+    ("tokenmdp.cli", "the tokenmdp command line"),
     ("tokenmdp.packing", "packing sequences into rows, layouts, micro-batches"),
     ("tokenmdp.distributed", "step counts over data-parallel ranks, the DDP loss scale"),
     ("tokenmdp.interop", "TokenBatch to and from Hugging Face padded tensors"),
     ("tokenmdp.estimators", "advantages, surrogates, corrections, aggregation, KL; the registry"),
+    ("tokenmdp.estimators.registry", "the registry's entries"),
     ("tokenmdp.exact", "the enumerable token MDP: ground truth, behaviour policies, moments"),
     ("tokenmdp.exact.rewards", "rewards of the exact world"),
+    ("tokenmdp.exact.budget", "the memory budget that guards the exact world's allocations"),
     ("tokenmdp.model", "the Mixture-of-Experts transformer with routing record and replay"),
     ("tokenmdp.rl", "the rollout engine, routing replay, training–inference metrics"),
     ("tokenmdp.rl.config", "every trainer option"),
@@ -43,6 +46,7 @@ API_MODULES = [
     ("tokenmdp.testing", "layout and micro-batch invariance checks, hypothesis strategies"),
     ("tokenmdp.plots", "plots of the exact lab"),
     ("tokenmdp.comparison", "the exact comparison behind tokenmdp compare"),
+    ("tokenmdp.compare_hints", "the one-line hints under the compare table"),
     ("tokenmdp.cards", "estimator cards"),
 ]
 
@@ -82,6 +86,11 @@ def _resolve(app, env, node, contnode):
             return None
         return domain.resolve_xref(env, node["refdoc"], app.builder, "mod", page, node, contnode)
     documented = CANONICAL.get(target) or CANONICAL.get(target.lstrip("~."))
+    if not documented and node.get("py:class"):  # :meth:`member` inside a class's docstring
+        scope = f"{node.get('py:module')}.{node['py:class']}"
+        documented = CANONICAL.get(f"{CANONICAL.get(scope) or scope}.{target}")
+    if not documented and node.get("py:module"):  # a name of the module the docstring is in
+        documented = CANONICAL.get(f"{node['py:module']}.{target}")
     if not documented or documented == target:
         return None
     return domain.resolve_xref(env, node["refdoc"], app.builder, "obj", documented, node,
@@ -161,6 +170,29 @@ def write_estimator_cards(live: bool) -> None:
     _prune(out, keep)
 
 
+NOT_IN_API = {"tokenmdp.model.flex"}  # loaded lazily, on CUDA only
+
+
+def api_modules() -> list[tuple[str, str]]:
+    """:data:`API_MODULES`, then every other public module whose ``__all__`` has a name that its
+    package does not re-export (so a new module cannot be left out of the reference)."""
+    import pkgutil
+
+    import tokenmdp
+
+    modules, listed = list(API_MODULES), {name for name, _ in API_MODULES}
+    for info in pkgutil.walk_packages(tokenmdp.__path__, "tokenmdp."):
+        name = info.name
+        if name in listed or name in NOT_IN_API or any(p.startswith("_") for p in name.split(".")):
+            continue
+        module = importlib.import_module(name)
+        package = importlib.import_module(name.rsplit(".", 1)[0])
+        if any(n not in getattr(package, "__all__", ()) for n in getattr(module, "__all__", ())):
+            blurb = (inspect.getdoc(module) or name).split("\n")[0].rstrip(".")
+            modules.append((name, blurb))
+    return modules
+
+
 def write_api_pages() -> None:
     out, keep = DOCS / "api", set()
     seen: dict[int, str] = {}
@@ -169,7 +201,7 @@ def write_api_pages() -> None:
              "`__all__`. A name re-exported by a later module is documented once, where it",
              "first appears below.", "", "| module | |", "|---|---|"]
     pages = []
-    for module_name, blurb in API_MODULES:
+    for module_name, blurb in api_modules():
         module = importlib.import_module(module_name)
         MODULE_PAGES[module_name] = module_name
         names, again = [], []
@@ -182,12 +214,15 @@ def write_api_pages() -> None:
             key = id(obj)
             if key in seen and not isinstance(obj, (int, float, str, tuple)):
                 again.append((name, seen[key]))
+                CANONICAL.setdefault(f"{module_name}.{name}", seen[key])
                 continue
             seen.setdefault(key, f"{module_name}.{name}")
             _record(f"{module_name}.{name}", obj, module_name)
             names.append(name)
+        # tokenmdp.exact.moments is a module and the function it defines: index the function
+        no_index = ["   :no-index:"] if module_name in CANONICAL else []
         lines = [f"# `{module_name}`", "", "```{eval-rst}", f".. automodule:: {module_name}",
-                 "   :no-members:", "", f".. currentmodule:: {module_name}", "",
+                 "   :no-members:", *no_index, "", f".. currentmodule:: {module_name}", "",
                  ".. autosummary::", "   :toctree: generated", ""]
         lines += [f"   {name}" for name in names] + ["```", ""]
         if again:

@@ -51,7 +51,7 @@ def kl_k3(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Ten
 
     ``r`` is held at ``e^20`` (beyond it only the ``-log r`` part carries gradient). The
     derivative ``∂k/∂log π_θ = 1 - r`` is attached by
-    :func:`~tokenmdp.estimators._common.with_derivative` (a one-product backward pass; the
+    ``with_derivative`` (a one-product backward pass; the
     reference log-probs are data and get no gradient).
     """
     with torch.no_grad():  # in place where possible: these passes are bound by memory

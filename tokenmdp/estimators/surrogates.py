@@ -100,7 +100,7 @@ def ppo_clip_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
 
     The value ``Â · (r if M else the bound r crossed)`` and the gradient coefficient ``M r Â``
     (0 where ``log r`` exceeds the cap) are computed without autograd and joined by
-    :func:`~tokenmdp.estimators._common.with_derivative`: the same numbers as
+    ``with_derivative``: the same numbers as
     ``torch.minimum(r Â, clip(r) Â)`` under autograd (``tests/estimators`` compares them), with
     a one-product backward pass."""
     _check_eps(eps_low, eps_high)

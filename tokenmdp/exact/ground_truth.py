@@ -31,7 +31,7 @@ __all__ = ["state_logprobs", "sequence_logprobs", "sequence_probs", "objective",
 
 
 def state_logprobs(mdp: TokenMDP, policy: nn.Module) -> list[torch.Tensor]:
-    """``log pi(· | s)`` at every state, one tensor ``[P, b^k, V]`` per depth ``k = 0 .. L-1``."""
+    """``log pi(· | s)`` at every state, one tensor ``[P, b^k, V]`` per depth ``k`` from 0 to ``L-1``."""
     check_policy(mdp, policy)
     P, V = mdp.num_prompts, mdp.vocab_size
     if isinstance(policy, PrefixPolicy):

@@ -37,7 +37,8 @@ class CharTokenizer:
     """Character-level tokenizer: ``PAD`` = 0, ``EOS`` = 1, then one id per character.
 
     ``encode`` maps characters to ids (no EOS added); ``decode`` maps ids back, stopping at the
-    first EOS. ``decode(encode(s)) == s`` for every string over :attr:`chars`.
+    first EOS. ``decode(encode(s)) == s`` for every string over ``chars`` (the constructor
+    argument, kept as ``self.chars``).
     """
 
     PAD = 0
