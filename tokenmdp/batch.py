@@ -248,7 +248,12 @@ class TokenBatch:
         behavior = None if behavior_logprobs is None else torch.zeros(num_seq, capacity, dtype=dtype)
         for i, (p, r) in enumerate(zip(prompts, responses)):
             n = len(p) + len(r)
-            tokens[i, :n] = torch.as_tensor(seqs[i], dtype=torch.long)
+            ids = torch.as_tensor(seqs[i])
+            if ids.dtype == torch.bool or (ids.is_floating_point() and
+                                           bool((ids != ids.round()).any())) or ids.is_complex():
+                raise ValueError(f"prompts[{i}], responses[{i}]: token ids must be integers, "
+                                 f"got {seqs[i]!r:.60}")
+            tokens[i, :n] = ids.long()
             sequence_id[i, :n] = i
             position[i, :n] = torch.arange(n)
             loss_mask[i, len(p):n] = True
@@ -259,12 +264,19 @@ class TokenBatch:
                                      f"{len(r)} response tokens")
                 behavior[i, len(p):n] = lp
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        def per_sequence(name: str, values, kind: torch.dtype) -> torch.Tensor:
+            t = torch.as_tensor(values, dtype=kind).clone()
+            if t.shape != (num_seq,):
+                raise ValueError(f"{name}: expected {num_seq} values (one per sequence), got "
+                                 f"shape {tuple(t.shape)}")
+            return t
+
         reward = (torch.zeros(num_seq, dtype=dtype) if rewards is None
-                  else torch.as_tensor(rewards, dtype=dtype).clone())
+                  else per_sequence("rewards", rewards, dtype))
         group = (torch.arange(num_seq) if groups is None
-                 else torch.as_tensor(groups, dtype=torch.long).clone())
-        pidx = group.clone() if prompt_index is None else torch.as_tensor(prompt_index,
-                                                                          dtype=torch.long).clone()
+                 else per_sequence("groups", groups, torch.long))
+        pidx = group.clone() if prompt_index is None else per_sequence("prompt_index",
+                                                                       prompt_index, torch.long)
         ones = loss_mask.to(dtype)
         batch = cls(tokens=tokens, sequence_id=sequence_id, position=position, loss_mask=loss_mask,
                     advantage=ones, loss_weight=ones.clone(), reward=reward, group=group,

@@ -161,8 +161,9 @@ def from_hf(input_ids: object, attention_mask: object = None, labels: object = N
         loss_mask = real & (position >= (n_tokens - response)[:, None])
 
     given = [v for v in (advantage, loss_weight, behavior_logprob, old_logprob, ref_logprob,
-                         reward) if isinstance(v, torch.Tensor)]
-    if dtype is None:      # tensors keep their dtype; lists and defaults take this one
+                         reward) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if dtype is None:      # float tensors keep their dtype; the rest (lists, integer rewards,
+        # defaults) take this one
         dtype = given[0].dtype if given else torch.float64
 
     def per_token(name: str, value: object, default: torch.Tensor | None) -> torch.Tensor | None:
@@ -185,7 +186,8 @@ def from_hf(input_ids: object, attention_mask: object = None, labels: object = N
         ref_logprob=per_token("ref_logprob", ref_logprob, None),
         reward=(torch.zeros(num_seq, dtype=dtype, device=device) if reward is None
                 else _tensor("reward", reward, (num_seq,), device,
-                             None if isinstance(reward, torch.Tensor) else dtype)),
+                             None if isinstance(reward, torch.Tensor)
+                             and reward.is_floating_point() else dtype)),
         group=group_S, length=response,
         prompt_index=(group_S.clone() if prompt_index is None
                       else _tensor("prompt_index", prompt_index, (num_seq,), device)),

@@ -30,6 +30,10 @@ def _check(reward_S: torch.Tensor, group_S: torch.Tensor | None = None) -> None:
                          f"{getattr(reward_S, 'shape', type(reward_S).__name__)}")
     if not reward_S.dtype.is_floating_point:
         raise TypeError(f"reward_S: expected a floating-point tensor, got {reward_S.dtype}")
+    if not bool(torch.isfinite(reward_S).all()):
+        bad = int((~torch.isfinite(reward_S)).nonzero()[0])
+        raise ValueError(f"reward_S: reward {bad} is {float(reward_S[bad])}; rewards must be "
+                         "finite")
     if group_S is not None and (not isinstance(group_S, torch.Tensor)
                                 or group_S.shape != reward_S.shape
                                 or group_S.dtype.is_floating_point):

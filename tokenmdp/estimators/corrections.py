@@ -53,6 +53,20 @@ class Level(enum.Enum):
     GEOMETRIC = "geometric"
 
 
+def _coerce_level(correction) -> None:
+    """``correction.level`` as a :class:`Level` (its value, ``"sequence"``, is accepted too)."""
+    level = correction.level
+    if isinstance(level, str):
+        try:
+            level = Level(level)
+        except ValueError:
+            raise ValueError(f"level: expected one of {', '.join(v.value for v in Level)}, got "
+                             f"{level!r}") from None
+    if not isinstance(level, Level):
+        raise TypeError(f"level: expected a Level, got {type(level).__name__}")
+    object.__setattr__(correction, "level", level)
+
+
 class CorrectionFactor(NamedTuple):
     """A correction's output: ``factor_RC`` (None = 1) and ``keep_RC`` (None = all kept)."""
 
@@ -152,6 +166,9 @@ class ImportanceSampling(Correction):
     level: Level = Level.TOKEN
     """Token ``w_t``, sequence ``Π_t w_t`` or geometric mean ``exp(mean_t log w_t)``."""
 
+    def __post_init__(self):
+        _coerce_level(self)
+
     def __call__(self, batch):
         return CorrectionFactor(importance_weight(self._log_w(batch)), None)
 
@@ -170,6 +187,7 @@ class TruncatedIS(Correction):
 
     def __post_init__(self):
         check_positive("cap", self.cap)
+        _coerce_level(self)
 
     def __call__(self, batch):
         return CorrectionFactor(truncated_importance_weight(self._log_w(batch), cap=self.cap), None)
@@ -201,6 +219,7 @@ class MaskedIS(Correction):
             raise ValueError(f"low: need 0 <= low < high, got low={self.low}, high={self.high}")
         if not isinstance(self.masked_in_normalizer, bool):
             raise TypeError("masked_in_normalizer: expected a bool")
+        _coerce_level(self)
 
     def __call__(self, batch):
         factor, keep = masked_importance_weight(self._log_w(batch), low=self.low, high=self.high)

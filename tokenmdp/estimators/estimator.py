@@ -77,8 +77,36 @@ class Estimator:
     def _check(self, batch: TokenBatch, stage: str) -> None:
         if not isinstance(batch, TokenBatch):
             raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
+        if batch.dtype in HALF_DTYPES:
+            raise TypeError(f"batch: {batch.dtype} float fields; the losses need float32 or "
+                            "float64 (ratios up to e^20 and their metrics overflow in half "
+                            "precision): use batch.to(dtype=torch.float32) and float32 log-probs")
         for field in self.requires(stage):
             require(batch, field, f"estimator {self.name!r} ({stage})")
+
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""Refused by :func:`prepare` and :func:`loss`: the ratio cap ``e^MAX_LOG_RATIO`` overflows."""
+
+
+def resolve(estimator: Estimator | str) -> Estimator:
+    """``estimator``, or the registry's estimator of that name.
+
+    Raises
+    ------
+    TypeError
+        ``estimator``: neither an Estimator nor a str.
+    ValueError
+        ``estimator``: an unknown registry name.
+    """
+    if isinstance(estimator, Estimator):
+        return estimator
+    if isinstance(estimator, str):
+        from tokenmdp.estimators.registry import get
+
+        return get(estimator)
+    raise TypeError(f"estimator: expected an Estimator or a registry name, got "
+                    f"{type(estimator).__name__}")
 
 
 def counted_mask(batch: TokenBatch, estimator: Estimator) -> torch.Tensor:
@@ -96,6 +124,7 @@ def step_counts(batch: TokenBatch, estimator: Estimator) -> tuple[int, int]:
     For a step spread over several batches or ranks, sum these (all-reduce) and pass the sums to
     :func:`prepare` of each part.
     """
+    estimator = resolve(estimator)
     estimator._check(batch, "prepare")
     return count_step(batch, counted_mask(batch, estimator))
 
@@ -123,6 +152,7 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
     caller computed with :func:`advantage_rewards` and the estimator's advantage part over more
     than this batch (a data-parallel rank's share of a step whose advantage is batch-wide).
     """
+    estimator = resolve(estimator)
     estimator._check(batch, "prepare")
     if advantage_S is None:
         advantage_S = estimator.advantage(advantage_rewards(batch, estimator), batch.group, step)
@@ -140,6 +170,7 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
 def advantage_rewards(batch: TokenBatch, estimator: Estimator) -> torch.Tensor:
     """Float ``[S]``: the rewards the estimator's advantage part sees (the environment reward,
     minus a KL-in-reward penalty ``β Σ_t k_t`` when the estimator has one)."""
+    estimator = resolve(estimator)
     estimator._check(batch, "prepare")
     if estimator.kl is not None and estimator.kl.in_reward:
         return batch.reward - estimator.kl.reward_penalty(batch)
@@ -170,8 +201,13 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator
         ``rho_min/rho_mean/rho_max`` (``ρ = π_θ/μ``), with both ``train_infer_kl_k1/k3``
         (``KL(μ ‖ π_old)`` per token, k1 and k3 forms), and with a KL-in-loss penalty
         ``kl_ref`` (mean of its estimator ``k(π_θ, π_ref)``). Over zero loss tokens fractions
-        and KLs are 0 and ratio statistics 1 (neutral values, no NaN).
+        and KLs are 0 and ratio statistics 1 (neutral values, no NaN); an empty batch (no
+        sequences) gives loss 0, these neutral metrics and a zero gradient.
+
+    ``estimator`` may also be a registry name (``"grpo"``). Half-precision batches are refused
+    (``TypeError``): the ratio cap ``e^20`` and the metrics overflow in float16.
     """
+    estimator = resolve(estimator)
     estimator._check(batch, "loss")
     check_like_tokens("logprobs_RC", logprobs_RC, batch.advantage)
     mask = batch.loss_mask
@@ -190,6 +226,8 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator
         k_RC, is_weight_RC = estimator.kl.loss_penalty(logprobs_RC, batch)
         kl_weight_RC = weight_RC if is_weight_RC is None else weight_RC * is_weight_RC
         total = total + estimator.kl.coef * _weighted_sum(kl_weight_RC, k_RC)
+    if logprobs_RC.requires_grad and not total.requires_grad:  # an empty batch: a zero
+        total = total + logprobs_RC.sum()                      # gradient, not a graph error
     with torch.no_grad():
         metrics = _metrics(logprobs_RC, batch, terms, factor.keep_RC, k_RC)
     return total, metrics
@@ -223,6 +261,11 @@ def _metrics(logprobs_RC, batch, terms, keep_RC, k_RC) -> dict[str, torch.Tensor
     # values over the loss tokens), so one aminmax gives their min and max.
     ratios = [(key, ref) for key, ref in (("r", batch.old_logprob), ("rho", batch.behavior_logprob))
               if ref is not None]
+    if ratios and mask.numel() == 0:  # an empty batch: neutral ratio statistics
+        one = count.new_ones(())
+        for key, _ in ratios:
+            out.update({f"{key}_min": one, f"{key}_mean": one, f"{key}_max": one})
+        ratios = []
     if ratios:
         off = ~mask
         first = mask.reshape(-1).to(torch.uint8).argmax()

@@ -218,10 +218,12 @@ class Block(nn.Module):
         h_ND = self.mlp_norm(x_RCD).reshape(R * C, D)                         # (R*C, D)
         if isinstance(self.mlp, DenseMLP):
             return x_RCD + self.mlp(h_ND).view(R, C, D), None, None
-        replay_NK = None if replay_RCK is None else replay_RCK.reshape(R * C, -1)
+        # explicit K (not -1): an empty batch (R = 0) has no size to infer it from
+        replay_NK = None if replay_RCK is None else replay_RCK.reshape(R * C,
+                                                                       replay_RCK.shape[-1])
         y_ND, chosen_NK, lb = self.mlp(h_ND, valid_N=valid_RC.reshape(-1), replay_NK=replay_NK,
                                        aux=aux)
-        return x_RCD + y_ND.view(R, C, D), chosen_NK.view(R, C, -1), lb
+        return x_RCD + y_ND.view(R, C, D), chosen_NK.view(R, C, chosen_NK.shape[-1]), lb
 
 
 class MoETransformer(nn.Module):
