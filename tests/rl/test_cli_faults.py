@@ -161,3 +161,14 @@ def test_sigkill_during_checkpoint_writes_then_resume():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["failures"] == []
     assert result["checkpoint_loaded"] == result["resumed"] == result["identical"] == 2
+
+
+# ------------------------------------------------------------------ structure
+def test_trainer_does_not_import_the_cli_commands():
+    import ast
+
+    for module in ("trainer", "options", "config", "checkpoint", "run_folder"):
+        tree = ast.parse((ROOT / "tokenmdp" / "rl" / f"{module}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "tokenmdp.rl.cli_commands" not in imported, module

@@ -2,64 +2,21 @@
 and ``tokenmdp plot`` (training curves of runs, :func:`~tokenmdp.rl.plot.plot_runs`).
 
 Every field of :class:`~tokenmdp.rl.config.TrainConfig` except ``mode`` becomes an option
-(``rollout_precision`` → ``--rollout-precision``), its docstring the help text, its default the
-default; booleans get ``--flag / --no-flag``. ``tokenmdp cli`` calls
+(:mod:`tokenmdp.rl.options`, re-exported here); :func:`run_and_report` comes from the trainer
+(which does not import this module). ``tokenmdp cli`` calls
 :func:`add_trainer_commands` and :func:`add_plot_command` with its sub-parser collection.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 from pathlib import Path
 
-from tokenmdp.rl.config import TrainConfig, field_docs
+from tokenmdp.rl.options import add_config_arguments, config_from_args
+from tokenmdp.rl.trainer import run_and_report
 
 __all__ = ["add_config_arguments", "add_plot_command", "add_trainer_commands", "config_from_args",
            "run_and_report"]
-
-_TYPES = {"int": int, "float": float, "str": str, "float | None": float, "str | None": str}
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, *, defaults: dict | None = None,
-                         skip: tuple[str, ...] = ("mode",)) -> None:
-    """One option per :class:`TrainConfig` field not in ``skip`` (``defaults`` override)."""
-    docs = field_docs(TrainConfig)
-    defaults = defaults or {}
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in skip:
-            continue
-        default = defaults.get(f.name, f.default)
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{docs.get(f.name, '')} (default: {default})"
-        if f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=help_text)
-        elif f.type in _TYPES:
-            parser.add_argument(flag, type=_TYPES[f.type], default=default, help=help_text,
-                                metavar=f.name.upper())
-        else:  # a new field type must be mapped here, not silently dropped
-            raise TypeError(f"TrainConfig.{f.name}: no command-line type for {f.type!r}")
-
-
-def config_from_args(args: argparse.Namespace, mode: str) -> TrainConfig:
-    """The :class:`TrainConfig` of parsed options, with ``mode``."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-              if hasattr(args, f.name)}
-    return TrainConfig(**{**values, "mode": mode})
-
-
-def run_and_report(cfg: TrainConfig) -> int:
-    """Run ``cfg`` and print a one-line summary (on rank 0 only, under ``torchrun``); 0."""
-    from tokenmdp.rl.trainer import train
-
-    rows = train(cfg)
-    if rows and int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
-        last = rows[-1]
-        shown = {k: last[k] for k in ("step", "reward", "loss", "eval_accuracy") if k in last}
-        print(f"{cfg.mode}: {len(rows)} steps, last {shown}; wrote {cfg.out_dir}")
-    return 0
 
 
 def _run(args: argparse.Namespace) -> int:

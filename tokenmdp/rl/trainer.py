@@ -88,9 +88,9 @@ from tokenmdp.rl.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from tokenmdp.rl.cli_commands import add_config_arguments, config_from_args, run_and_report
 from tokenmdp.rl.config import DTYPES, TrainConfig, check_config
 from tokenmdp.rl.logger import RunLogger
+from tokenmdp.rl.options import add_config_arguments, config_from_args
 from tokenmdp.rl.rollout import (
     ENGINE_ROUTING,
     OLD_ROUTING,
@@ -110,8 +110,8 @@ from tokenmdp.rl.update import (
 )
 
 __all__ = ["SFT_ESTIMATOR", "TIMING_FIELDS", "NonFiniteError", "TrainingPass", "build_estimator",
-           "build_model", "main", "minibatch_loss", "prepare_minibatch", "split_minibatches",
-           "train"]
+           "build_model", "load_init", "main", "minibatch_loss", "model_config",
+           "prepare_minibatch", "run_and_report", "split_minibatches", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -530,6 +530,16 @@ def train(cfg: TrainConfig) -> list[dict]:
                 if last or (cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0):
                     run.save(ckpt)
     return rows
+
+
+def run_and_report(cfg: TrainConfig) -> int:
+    """Run ``cfg`` and print a one-line summary (on rank 0 only, under ``torchrun``); 0."""
+    rows = train(cfg)
+    if rows and int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
+        last = rows[-1]
+        shown = {k: last[k] for k in ("step", "reward", "loss", "eval_accuracy") if k in last}
+        print(f"{cfg.mode}: {len(rows)} steps, last {shown}; wrote {cfg.out_dir}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
