@@ -16,6 +16,7 @@ import importlib
 import inspect
 import os
 import re
+import shutil
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1]
@@ -234,8 +235,8 @@ def write_api_pages() -> None:
         pages.append(page)
     index += ["", "```{toctree}", ":hidden:", ":maxdepth: 1", ""] + pages + ["```", ""]
     _write(out / "index.md", "\n".join(index), keep)
-    # autosummary writes api/generated/ itself; keep what it made
-    keep.update(p for p in (out / "generated").rglob("*") if p.is_file())
+    # autosummary writes api/generated/ itself, after this; stubs of names gone must not stay
+    shutil.rmtree(out / "generated", ignore_errors=True)
     _prune(out, keep)
 
 
