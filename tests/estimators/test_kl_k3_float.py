@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmdp.estimators import kl_k3
+from tokenmdp.batch import TokenBatch
+from tokenmdp.estimators import Estimator, Reinforce, kl_k3, loss, prepare
 
 DTYPES = (torch.float32, torch.float64)
 BAND = 1e-3        # |log r| <= BAND: the band where exp(u) - 1 cancels
@@ -81,3 +82,29 @@ def test_k3_gradient_is_one_minus_ratio_near_one():
     lp = torch.zeros_like(u, requires_grad=True)
     (g,) = torch.autograd.grad(kl_k3(lp, u).sum(), lp)
     assert torch.allclose(g, -torch.expm1(u), rtol=1e-15, atol=0)
+
+
+def test_train_inference_k3_metric_is_nonnegative_in_float32():
+    # The loss's train_infer_kl_k3 metric is the mean of k3 over log q = log π_old - log μ. Pick
+    # 40 positive float32 log q on the band where the old formula is negative (its mean was then
+    # < 0), and write them as log π_old = -q, log μ = -2q: the subtraction gives q exactly.
+    u = _log_ratios(torch.float32)
+    chosen = u[(u > 0) & (_old_k3(torch.zeros_like(u), u) < 0)][::200][:40]
+    assert chosen.numel() == 40 and float(_old_k3(torch.zeros_like(chosen), chosen).mean()) < 0
+    n = chosen.numel()
+    batch = TokenBatch.from_sequences([[5]], [[1] * n], rewards=[1.0], dtype=torch.float32)
+    on = batch.loss_mask
+    old = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+    behavior = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+    old[on], behavior[on] = -chosen, -2 * chosen
+    batch = batch.replace(old_logprob=old, behavior_logprob=behavior)
+    assert torch.equal((batch.old_logprob - batch.behavior_logprob)[on], chosen)
+    est = Estimator(surrogate=Reinforce())
+    _, metrics = loss(batch.old_logprob.clone(), prepare(batch, est), est)
+    got = float(metrics["train_infer_kl_k3"])
+    q = chosen.double()
+    reference = float((torch.expm1(q) - q).mean())
+    assert got >= 0.0
+    # each term within 2 eps q of its value (see above), then a float32 mean of 40 terms
+    assert abs(got - reference) <= 2 * torch.finfo(torch.float32).eps * float(q.max()) \
+        + 40 * torch.finfo(torch.float32).eps * reference

@@ -282,7 +282,7 @@ def _metrics(logprobs_RC, batch, terms, keep_RC, k_RC) -> dict[str, torch.Tensor
     if batch.old_logprob is not None and batch.behavior_logprob is not None:
         log_q = batch.old_logprob - batch.behavior_logprob  # log(π_old/μ), tokens drawn from μ
         out["train_infer_kl_k1"] = 0.0 - mean(log_q, 0.0)
-        k3 = log_q.clamp(max=MAX_LOG_RATIO).exp_().sub_(1).sub_(log_q)
+        k3 = log_q.clamp(max=MAX_LOG_RATIO).expm1_().sub_(log_q)  # expm1: k3 >= 0 near r = 1
         out["train_infer_kl_k3"] = mean(k3, 0.0)
     if k_RC is not None:  # the estimate k of KL(π_θ ‖ π_ref) of a KL-in-loss penalty
         out["kl_ref"] = mean(k_RC, 0.0)
