@@ -33,7 +33,7 @@ extensions = [
     "tokenmdp_docs",  # tutorials, estimator cards and API pages generated at build time
 ]
 
-exclude_patterns = ["_build", "_ext", "conf.py", "**.ipynb_checkpoints"]
+exclude_patterns = ["_build", "_ext", "_templates", "conf.py", "**.ipynb_checkpoints"]
 templates_path = ["_templates"]
 html_static_path = ["_static"]
 html_css_files = ["tokenmdp.css"]
