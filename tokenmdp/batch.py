@@ -13,6 +13,8 @@ Invariants checked at construction (a violation raises ``ValueError`` naming the
 * the last ``length[s]`` tokens of sequence ``s`` are its response, the rest its prompt;
   ``loss_mask`` is only set on response tokens;
 * every floating-point field is finite and all of them share one dtype.
+
+The checks themselves are in ``tokenmdp._batch_validation``.
 """
 
 from __future__ import annotations
@@ -23,16 +25,14 @@ from typing import Any
 
 import torch
 
+from tokenmdp._batch_validation import (
+    SEQ_FLOAT_FIELDS,
+    TOKEN_FLOAT_FIELDS,
+    validate,
+    validate_float_changes,
+)
+
 __all__ = ["TokenBatch"]
-
-_TOKEN_FLOAT_FIELDS = ("advantage", "behavior_logprob", "old_logprob", "ref_logprob", "loss_weight")
-_SEQ_FLOAT_FIELDS = ("reward",)
-_SEQ_INT_FIELDS = ("group", "length", "prompt_index")
-
-
-def _fail(field: str, what: str) -> None:
-    raise ValueError(f"TokenBatch.{field}: {what}")
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenBatch:
@@ -88,104 +88,8 @@ class TokenBatch:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
-        self._validate()
+        validate(self)
         object.__setattr__(self, "token_extras", dict(self.token_extras))
-
-    def _validate(self) -> None:
-        for name in ("tokens", "sequence_id", "position", "loss_mask", "advantage", "loss_weight",
-                     "reward", "group", "length", "prompt_index"):
-            if not isinstance(getattr(self, name), torch.Tensor):
-                raise TypeError(f"TokenBatch.{name}: expected a torch.Tensor, got "
-                                f"{type(getattr(self, name)).__name__}")
-        if self.tokens.dim() != 2:
-            _fail("tokens", f"expected shape [R, C], got {tuple(self.tokens.shape)}")
-        shape = self.tokens.shape
-        device = self.tokens.device
-        for name in ("tokens", "sequence_id", "position"):
-            t = getattr(self, name)
-            if t.dtype not in (torch.int64, torch.int32):
-                _fail(name, f"expected an integer tensor, got {t.dtype}")
-        if self.loss_mask.dtype != torch.bool:
-            _fail("loss_mask", f"expected a bool tensor, got {self.loss_mask.dtype}")
-        float_dtype = self.advantage.dtype
-        if not float_dtype.is_floating_point:
-            _fail("advantage", f"expected a floating-point tensor, got {float_dtype}")
-        for name in ("sequence_id", "position", "loss_mask", *_TOKEN_FLOAT_FIELDS):
-            t = getattr(self, name)
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"TokenBatch.{name}: expected a torch.Tensor or None, got "
-                                f"{type(t).__name__}")
-            if t.shape != shape:
-                _fail(name, f"shape {tuple(t.shape)} differs from tokens' {tuple(shape)}")
-            if t.device != device:
-                _fail(name, f"on {t.device}, tokens on {device}")
-        for name in _TOKEN_FLOAT_FIELDS + _SEQ_FLOAT_FIELDS:
-            t = getattr(self, name)
-            if t is None:
-                continue
-            if t.dtype != float_dtype:
-                _fail(name, f"dtype {t.dtype} differs from advantage's {float_dtype}; "
-                            "all floating-point fields share one dtype")
-            if not bool(torch.isfinite(t).all()):
-                _fail(name, "contains non-finite values")
-        for name, t in self.token_extras.items():
-            if not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != tuple(shape):
-                _fail(f"token_extras[{name!r}]", f"expected a tensor of shape [R, C, ...] = "
-                      f"{tuple(shape)}+..., got {getattr(t, 'shape', type(t).__name__)}")
-
-        if self.reward.dim() != 1:
-            _fail("reward", f"expected shape [S], got {tuple(self.reward.shape)}")
-        num_seq = self.reward.shape[0]
-        for name in _SEQ_INT_FIELDS:
-            t = getattr(self, name)
-            if t.dtype not in (torch.int64, torch.int32):
-                _fail(name, f"expected an integer tensor, got {t.dtype}")
-            if t.shape != (num_seq,):
-                _fail(name, f"expected shape [S] = ({num_seq},), got {tuple(t.shape)}")
-            if t.device != device:
-                _fail(name, f"on {t.device}, tokens on {device}")
-            if num_seq and int(t.min()) < 0:
-                _fail(name, "contains negative values")
-        if self.reward.device != device:
-            _fail("reward", f"on {self.reward.device}, tokens on {device}")
-
-        sid = self.sequence_id
-        real = sid >= 0
-        if bool((sid < -1).any()) or (num_seq and int(sid.max()) >= num_seq):
-            _fail("sequence_id", f"values must be -1 (padding) or in [0, {num_seq})")
-        if num_seq == 0 and bool(real.any()):
-            _fail("sequence_id", "tokens belong to sequences but the batch has no sequences (S = 0)")
-        if bool((self.loss_mask & ~real).any()):
-            _fail("loss_mask", "set on padding tokens")
-        if bool((self.tokens < 0).any()):
-            _fail("tokens", "contains negative token ids")
-        if bool((self.position < 0).any()):
-            _fail("position", "contains negative positions")
-        if num_seq == 0:
-            return
-        # Contiguity: a token at position p > 0 follows, in the same row, the token of the same
-        # sequence at position p - 1; each sequence starts exactly once (position 0).
-        pos = self.position
-        starts = real & (pos == 0)
-        cont = real & (pos > 0)
-        prev_ok = torch.zeros_like(real)
-        prev_ok[:, 1:] = (sid[:, 1:] == sid[:, :-1]) & (pos[:, 1:] == pos[:, :-1] + 1)
-        if bool((cont & ~prev_ok).any()):
-            _fail("position", "each sequence must occupy a contiguous span of one row with "
-                              "positions 0, 1, 2, ... in order")
-        n_starts = torch.zeros(num_seq, dtype=torch.long, device=device).index_add_(
-            0, sid[starts].long(), torch.ones_like(sid[starts], dtype=torch.long))
-        if bool((n_starts != 1).any()):
-            missing = int((n_starts == 0).sum())
-            _fail("sequence_id", f"every sequence id in [0, S) must start exactly once "
-                                 f"({missing} never occur, {int((n_starts > 1).sum())} repeat)")
-        total = self.sequence_lengths_total()
-        if bool((self.length > total).any()):
-            _fail("length", "response length exceeds the number of tokens of the sequence")
-        if bool((self.loss_mask & ~self.response_mask).any()):
-            _fail("loss_mask", "set on prompt tokens; only response tokens can be actions")
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -376,24 +280,8 @@ class TokenBatch:
         only those are checked (shape, device, dtype, finiteness): the layout they sit on was
         validated when this batch was built, and is shared.
         """
-        if changes and set(changes) <= set(_TOKEN_FLOAT_FIELDS + _SEQ_FLOAT_FIELDS):
-            for name, value in changes.items():
-                expected = self.reward.shape if name in _SEQ_FLOAT_FIELDS else self.tokens.shape
-                if value is None and name not in ("advantage", "loss_weight", "reward"):
-                    continue
-                if not isinstance(value, torch.Tensor):
-                    raise TypeError(f"TokenBatch.{name}: expected a torch.Tensor, got "
-                                    f"{type(value).__name__}")
-                if value.shape != expected:
-                    _fail(name, f"shape {tuple(value.shape)} differs from the expected "
-                                f"{tuple(expected)}")
-                if value.device != self.device:
-                    _fail(name, f"on {value.device}, tokens on {self.device}")
-                if value.dtype != self.dtype:
-                    _fail(name, f"dtype {value.dtype} differs from the batch's {self.dtype}; "
-                                "all floating-point fields share one dtype")
-                if not bool(torch.isfinite(value).all()):
-                    _fail(name, "contains non-finite values")
+        if changes and set(changes) <= set(TOKEN_FLOAT_FIELDS + SEQ_FLOAT_FIELDS):
+            validate_float_changes(self, changes)
             new = object.__new__(TokenBatch)
             for f in dataclasses.fields(self):
                 object.__setattr__(new, f.name, changes.get(f.name, getattr(self, f.name)))
@@ -413,7 +301,7 @@ class TokenBatch:
                 changes[f.name] = {k: t.to(device=device) for k, t in v.items()}
             elif v is None:
                 continue
-            elif f.name in _TOKEN_FLOAT_FIELDS + _SEQ_FLOAT_FIELDS:
+            elif f.name in TOKEN_FLOAT_FIELDS + SEQ_FLOAT_FIELDS:
                 changes[f.name] = v.to(device=device, dtype=dtype)
             else:
                 changes[f.name] = v.to(device=device)
