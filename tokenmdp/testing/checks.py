@@ -10,9 +10,11 @@ Layout is memory, never meaning, and aggregation is decided once per optimizer s
 
 Both run a model (a function ``batch -> logprobs_RC`` with parameters) and the user's
 ``loss_fn(logprobs_RC, batch) -> scalar``, differentiate with respect to the model's parameters
-and return an :class:`InvarianceReport` with the largest differences. The default model is a
+and return an :class:`InvarianceReport` with the largest differences
+(:mod:`tokenmdp.testing.report`: the report and the default tolerances). The default model is a
 :class:`TokenTable` (a free logit vector per prompt, position and previous token), or the exact
-:class:`~tokenmdp.exact.TabularPolicy` when an MDP is given.
+:class:`~tokenmdp.exact.TabularPolicy` when an MDP is given (:mod:`tokenmdp.testing.models`).
+Both modules' names are re-exported here.
 
 :func:`per_micro_batch_token_mean` is the named counter-example (each micro-batch normalized by
 its own token count), on which the micro-batch check fails.
@@ -20,16 +22,24 @@ its own token count), on which the micro-batch check fails.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
-from torch import nn
 
 from tokenmdp import estimators as _est
 from tokenmdp.batch import TokenBatch
-from tokenmdp.exact import TabularPolicy, TokenMDP
+from tokenmdp.exact import TokenMDP
+from tokenmdp.testing.models import TokenTable, _resolve_model
+from tokenmdp.testing.report import (
+    FLOAT32_ATOL,
+    FLOAT32_RTOL,
+    FLOAT64_ATOL,
+    FLOAT64_RTOL,
+    InvarianceReport,
+    _report,
+    _tolerances,
+    default_tolerances,
+)
 
 __all__ = [
     "FLOAT32_ATOL", "FLOAT32_RTOL", "FLOAT64_ATOL", "FLOAT64_RTOL", "InvarianceReport", "LossFn",
@@ -39,126 +49,6 @@ __all__ = [
 
 LossFn = Callable[[torch.Tensor, TokenBatch], torch.Tensor]
 """``loss_fn(logprobs_RC, batch) -> scalar tensor``, differentiable in ``logprobs_RC``."""
-
-#: float64: layouts and splits change only the order of summation (~1e-16 relative per term).
-FLOAT64_RTOL = 1e-10
-FLOAT64_ATOL = 1e-10
-#: float32: ~6e-8 relative per rounding; over the small batches of the strategies the largest
-#: difference seen was 5e-7 (loss) and 2e-7 relative (gradient), 10x below these.
-FLOAT32_RTOL = 1e-5
-FLOAT32_ATOL = 5e-6
-
-
-def default_tolerances(dtype: torch.dtype) -> tuple[float, float]:
-    """``(rtol, atol)`` used by the checks for batches of ``dtype`` (float64 or float32)."""
-    if dtype == torch.float64:
-        return FLOAT64_RTOL, FLOAT64_ATOL
-    if dtype == torch.float32:
-        return FLOAT32_RTOL, FLOAT32_ATOL
-    raise TypeError(f"dtype: no default tolerances for {dtype}; pass rtol and atol")
-
-
-# ------------------------------------------------------------------------------ the report
-@dataclasses.dataclass(frozen=True)
-class InvarianceReport:
-    """Largest differences found by a check, against ``atol + rtol * scale``.
-
-    Attributes
-    ----------
-    loss_difference, gradient_difference : float
-        Largest ``|loss - loss_ref|`` and largest ``max |grad - grad_ref|`` over the cases.
-    loss_tolerance, gradient_tolerance : float
-        ``atol + rtol * |loss_ref|`` and ``atol + rtol * max |grad_ref|``.
-    reference_loss, gradient_scale : float
-        ``loss_ref`` and ``max |grad_ref|`` (0 means the gradient check was trivial).
-    worst_case : str
-        The layout or split with the largest difference relative to its tolerance.
-    num_cases : int
-        Number of layouts or splits compared.
-    """
-
-    loss_difference: float
-    gradient_difference: float
-    loss_tolerance: float
-    gradient_tolerance: float
-    reference_loss: float
-    gradient_scale: float
-    worst_case: str
-    num_cases: int
-
-    @property
-    def ok(self) -> bool:
-        """True when both differences are within their tolerances."""
-        return (self.loss_difference <= self.loss_tolerance
-                and self.gradient_difference <= self.gradient_tolerance)
-
-    def assert_ok(self) -> InvarianceReport:
-        """Return ``self`` if :attr:`ok`, else raise ``AssertionError`` describing the failure."""
-        if not self.ok:
-            raise AssertionError(
-                f"invariance violated in {self.worst_case}: loss differs by "
-                f"{self.loss_difference:.3g} (tolerance {self.loss_tolerance:.3g}, reference loss "
-                f"{self.reference_loss:.6g}); gradient differs by {self.gradient_difference:.3g} "
-                f"(tolerance {self.gradient_tolerance:.3g}, max |grad| {self.gradient_scale:.3g})")
-        return self
-
-
-# ------------------------------------------------------------------------------ default model
-class TokenTable(nn.Module):
-    """A tabular "policy" over tokens: a free logit vector per (prompt, position, previous token).
-
-    ``log pi(y_t | ...) = log_softmax(logits[prompt_index, position, previous token])[y_t]``,
-    where the previous token of a sequence's first token is the start symbol ``V``. It depends
-    only on a token's own sequence, never on the layout, and every parameter the batch touches
-    gets a gradient, so it is the default model of the checks (an embedding-style table, like
-    the exact :class:`~tokenmdp.exact.TabularPolicy` but needing no MDP).
-
-    Parameters
-    ----------
-    num_prompts, num_positions, vocab_size : int
-        Table sizes; token ids, positions and prompt indices must lie below them.
-    generator : torch.Generator
-        Source of the initial logits ``N(0, init_std^2)``.
-    dtype : torch.dtype
-        Dtype of the table (that of the batches it will score).
-    init_std : float
-    """
-
-    def __init__(self, num_prompts: int, num_positions: int, vocab_size: int, *,
-                 generator: torch.Generator, dtype: torch.dtype = torch.float64,
-                 init_std: float = 1.0) -> None:
-        super().__init__()
-        for name, value in (("num_prompts", num_prompts), ("num_positions", num_positions),
-                            ("vocab_size", vocab_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
-        table = torch.randn(num_prompts, num_positions, vocab_size + 1, vocab_size,
-                            generator=generator, dtype=torch.float64) * init_std
-        self.logits_PTVV = nn.Parameter(table.to(dtype))
-        self.vocab_size = vocab_size
-
-    @classmethod
-    def for_batch(cls, batch: TokenBatch, *, seed: int = 0, init_std: float = 1.0) -> TokenTable:
-        """A table just large enough for ``batch`` (and for any re-layout or part of it)."""
-        if not isinstance(batch, TokenBatch):
-            raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
-        prompts = int(batch.prompt_index.max()) + 1 if batch.num_sequences else 1
-        return cls(prompts, int(batch.position.max()) + 1, max(int(batch.tokens.max()) + 1, 2),
-                   generator=torch.Generator().manual_seed(seed), dtype=batch.dtype,
-                   init_std=init_std)
-
-    def forward(self, batch: TokenBatch) -> torch.Tensor:
-        """``[R, C]`` log-probs of every real token (0 on padding), in the table's dtype."""
-        real = batch.sequence_id >= 0
-        previous = torch.full_like(batch.tokens, self.vocab_size)
-        previous[:, 1:] = batch.tokens[:, :-1]
-        previous = torch.where(real & (batch.position > 0), previous, self.vocab_size)
-        prompt_RC = batch.to_tokens(batch.prompt_index)
-        logits = self.logits_PTVV[prompt_RC, batch.position, previous]       # [R, C, V]
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[..., None])[..., 0]
-        return torch.where(real, logprobs, torch.zeros_like(logprobs))
 
 
 # ------------------------------------------------------------------------------ estimators
@@ -340,39 +230,6 @@ def _checked_output(name: str, value: object) -> TokenBatch:
     return value
 
 
-def _tolerances(batch: TokenBatch, rtol, atol) -> tuple[float, float]:
-    default_rtol, default_atol = (default_tolerances(batch.dtype) if None in (rtol, atol)
-                                  else (rtol, atol))
-    out = []
-    for name, value in (("rtol", default_rtol if rtol is None else rtol),
-                        ("atol", default_atol if atol is None else atol)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
-        out.append(float(value))
-    return out[0], out[1]
-
-
-def _resolve_model(model, parameters, mdp, batch, seed):
-    if mdp is not None and not isinstance(mdp, TokenMDP):
-        raise TypeError(f"mdp: expected a TokenMDP, got {type(mdp).__name__}")
-    if model is None:
-        model = (TokenTable.for_batch(batch, seed=seed) if mdp is None else
-                 TabularPolicy(mdp, generator=torch.Generator().manual_seed(seed)))
-    fn = getattr(model, "token_logprobs", None) or model
-    if not callable(fn):
-        raise TypeError(f"model: expected a callable batch -> logprobs_RC or an object with "
-                        f"token_logprobs(batch), got {type(model).__name__}")
-    if parameters is None:
-        if not isinstance(model, nn.Module):
-            raise TypeError("parameters: required when model is not a torch.nn.Module")
-        parameters = model.parameters()
-    params = list(parameters)
-    if not params or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
-        raise ValueError("parameters: expected at least one tensor, each with requires_grad=True")
-    return fn, params
-
-
 def _loss_and_grad(parts, loss_fn, logprobs_fn, params) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of ``loss_fn`` over ``parts`` and its gradient, flattened, both detached."""
     total = None
@@ -389,23 +246,3 @@ def _loss_and_grad(parts, loss_fn, logprobs_fn, params) -> tuple[torch.Tensor, t
     flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
                       for p, g in zip(params, grads)])
     return total.detach(), flat.detach()
-
-
-def _report(reference, cases, rtol, atol, raise_on_failure) -> InvarianceReport:
-    ref_loss, ref_grad = reference
-    loss_scale = float(ref_loss.abs())
-    grad_scale = float(ref_grad.abs().max()) if ref_grad.numel() else 0.0
-    loss_tol, grad_tol = atol + rtol * loss_scale, atol + rtol * grad_scale
-    worst, worst_ratio, loss_diff, grad_diff = "", -1.0, 0.0, 0.0
-    for name, (value, grad) in cases:
-        dl = float((value - ref_loss).abs())
-        dg = float((grad - ref_grad).abs().max()) if grad.numel() else 0.0
-        if math.isnan(dl) or math.isnan(dg):
-            dl = dg = math.inf
-        loss_diff, grad_diff = max(loss_diff, dl), max(grad_diff, dg)
-        ratio = max(dl / loss_tol if loss_tol else dl, dg / grad_tol if grad_tol else dg)
-        if ratio > worst_ratio:
-            worst, worst_ratio = name, ratio
-    report = InvarianceReport(loss_diff, grad_diff, loss_tol, grad_tol, float(ref_loss),
-                              grad_scale, worst, len(cases))
-    return report.assert_ok() if raise_on_failure else report
