@@ -34,14 +34,19 @@ _FIGURES = (("rel. bias", "relative_bias", ".4f"), ("cosine", "cosine", ".4f"),
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    """The MDP, policy and scenario of a card's live row."""
+    """The MDP, policy and scenario of a card's live row.
+
+    Parameters
+    ----------
+    setup : Setup
+        What is built (a ``tokenmdp.comparison.Setup``).
+    """
 
     setup: Setup
-    """What is built (a ``tokenmdp.comparison.Setup``)."""
 
     @property
     def description(self) -> str:
-        """The reference in one sentence, generated from :attr:`setup`."""
+        """The reference in one sentence, generated from ``setup``."""
         s = self.setup
         method = "exact moments" if s.method == "exact" else f"moments by {s.method}"
         return (f"The defaults of `tokenmdp compare` with {method}: a token MDP with {s.vocab} "
@@ -158,6 +163,11 @@ def card_text(name: str, row: Mapping | None = None) -> str:
         A registry name.
     row : mapping, optional
         Its reference row (:func:`reference_rows`), printed at the end when given.
+
+    Returns
+    -------
+    str
+        The card, lines joined by newlines (no trailing newline).
     """
     doc = _docstring_parts(name)
     wrap = textwrap.TextWrapper(WIDTH, subsequent_indent="  ", break_on_hyphens=False)
@@ -198,6 +208,18 @@ def card_markdown(name: str, row: Mapping | None = None) -> str:
     A ``# name`` title, the summary, the formula as a ``text`` code block (the registry's formulas
     are Unicode, not LaTeX), the paper, a components table, the other names and, when ``row`` is
     given, the reference row as a table with a sentence saying what the reference MDP is.
+
+    Parameters
+    ----------
+    name : str
+        A registry name.
+    row : mapping, optional
+        Its reference row (:func:`reference_rows`); without it the page has no figures.
+
+    Returns
+    -------
+    str
+        The page's MyST-Markdown source, ending with a newline.
     """
     doc = _docstring_parts(name)
     md = [f"# {name}", "", doc["summary"], "", "```text", doc["formula"], "```", "",

@@ -281,7 +281,19 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tokenmdp`` console script."""
+    """Entry point of the ``tokenmdp`` console script.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status of the command (0 on success). A usage error (a ``ValueError``) exits 2
+        and a diverged run 1, each with one line on stderr, through ``SystemExit``.
+    """
     parser = make_parser()
     args = parser.parse_args(argv)
     from tokenmdp.rl.trainer import NonFiniteError

@@ -40,6 +40,13 @@ def clip_band_share(lab: Lab, estimator: estimators.Estimator) -> tuple[float, f
 
     The ratio is ``r_t = π_θ/π_old`` per token, or GSPO's ``s = exp(mean_t log r_t)`` per sequence.
 
+    Parameters
+    ----------
+    lab : Lab
+        The built comparison (``π_θ``, ``π_old``, ``μ`` and the MDP enumerated).
+    estimator : Estimator
+        Its surrogate's ``eps_low`` / ``eps_high`` give the band.
+
     Returns
     -------
     (share, mean_deviation, unit) or None
@@ -79,7 +86,20 @@ def _same(a: Moments, b: Moments) -> bool:
 
 
 def coinciding(names: Sequence[str], results: Sequence[Moments]) -> list[list[str]]:
-    """Groups (two or more names, in table order) whose moments coincide to ``COINCIDE_RTOL``."""
+    """Groups (two or more names, in table order) whose moments coincide to ``COINCIDE_RTOL``.
+
+    Parameters
+    ----------
+    names : sequence of str
+        The estimators' names, in table order.
+    results : sequence of Moments
+        Their moments, aligned with ``names``.
+
+    Returns
+    -------
+    list of list of str
+        One list per group of coinciding names (empty when no two coincide).
+    """
     groups: list[list[int]] = []
     for i in range(len(names)):
         for group in groups:
@@ -112,6 +132,20 @@ def hints(lab: Lab, names: Sequence[str], results: Sequence[Moments]) -> list[st
 
     The discrepancy hint re-measures an estimator with ``μ = π_old``; it is given only when the
     scenario has a discrepancy and the moments are exact (not Monte Carlo).
+
+    Parameters
+    ----------
+    lab : Lab
+        The built comparison the moments were computed in.
+    names : sequence of str
+        Registry names, in table order.
+    results : sequence of Moments
+        Their moments, aligned with ``names``.
+
+    Returns
+    -------
+    list of str
+        One line per finding, each naming the estimators it is about (empty when none).
     """
     out = []
     clipped: dict[str, list[str]] = {}                      # one line per distinct finding

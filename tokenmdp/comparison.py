@@ -43,34 +43,51 @@ METHODS = ("auto", "exact", "monte_carlo")
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """One comparison's MDP, policy and scenario (the defaults are ``tokenmdp compare``'s)."""
+    """One comparison's MDP, policy and scenario (the defaults are ``tokenmdp compare``'s).
+
+    Parameters
+    ----------
+    vocab : int, default 3
+        Vocabulary size ``V`` (the last token is EOS).
+    max_len : int, default 3
+        Maximum response length ``L``.
+    prompts : int, default 2
+        Number of prompts ``(0,), (1,), ...``, drawn uniformly.
+    reward : str, default "random"
+        A built-in reward (:func:`build_reward`).
+    policy : str, default "tabular"
+        Policy class: tabular, loglinear or neural.
+    seed : int, default 0
+        Seed of the policy's initialization (``seed + 1`` draws μ's logit noise).
+    scenario : str, default "both"
+        on-policy; stale (π_old ≠ π_θ); discrepancy (μ ≠ π_old); both.
+    stale_distance : float, default 0.5
+        ``‖θ − θ_old‖`` along ``∇J`` in the stale scenarios.
+    rounding : str, default "none"
+        μ's logits rounded to none, bf16, fp16, fp8_e4m3 or a number of mantissa bits.
+    noise : float, default 0.3
+        Standard deviation of μ's fixed Gaussian logit perturbation.
+    group_size : int, default 4
+        Responses per prompt ``G`` (one prompt per batch).
+    method : str, default "auto"
+        auto, exact (enumeration or exchangeability) or monte_carlo.
+    samples : int, default 4096
+        Monte Carlo batches.
+    """
 
     vocab: int = 3
-    """Vocabulary size ``V`` (the last token is EOS)."""
     max_len: int = 3
-    """Maximum response length ``L``."""
     prompts: int = 2
-    """Number of prompts ``(0,), (1,), ...``, drawn uniformly."""
     reward: str = "random"
-    """A built-in reward (:func:`build_reward`)."""
     policy: str = "tabular"
-    """Policy class: tabular, loglinear or neural."""
     seed: int = 0
-    """Seed of the policy's initialization (``seed + 1`` draws μ's logit noise)."""
     scenario: str = "both"
-    """on-policy; stale (π_old ≠ π_θ); discrepancy (μ ≠ π_old); both."""
     stale_distance: float = 0.5
-    """``‖θ − θ_old‖`` along ``∇J`` in the stale scenarios."""
     rounding: str = "none"
-    """μ's logits rounded to none, bf16, fp16, fp8_e4m3 or a number of mantissa bits."""
     noise: float = 0.3
-    """Standard deviation of μ's fixed Gaussian logit perturbation."""
     group_size: int = 4
-    """Responses per prompt ``G`` (one prompt per batch)."""
     method: str = "auto"
-    """auto, exact (enumeration or exchangeability) or monte_carlo."""
     samples: int = 4096
-    """Monte Carlo batches."""
 
     def __post_init__(self):
         for name, choices in (("reward", REWARDS), ("scenario", SCENARIOS),
@@ -99,7 +116,20 @@ class Setup:
 
 
 def build_reward(name: str, vocab_size: int):
-    """A built-in reward by name (targets chosen from the vocabulary)."""
+    """A built-in reward by name (targets chosen from the vocabulary).
+
+    Parameters
+    ----------
+    name : str
+        One of count, exact, contains, parity, length or random.
+    vocab_size : int
+        Vocabulary size ``V`` of the MDP (the last token is EOS).
+
+    Returns
+    -------
+    Reward
+        The reward of :mod:`tokenmdp.exact.rewards`.
+    """
     eos = vocab_size - 1
     table = {
         "count": lambda: rewards.TokenCount(0),
@@ -115,7 +145,22 @@ def build_reward(name: str, vocab_size: int):
 
 
 def build_policy(mdp: TokenMDP, kind: str, seed: int) -> nn.Module:
-    """A ``tabular``, ``loglinear`` or ``neural`` policy initialized from ``seed``."""
+    """A ``tabular``, ``loglinear`` or ``neural`` policy initialized from ``seed``.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The MDP the policy acts in.
+    kind : str
+        tabular, loglinear or neural.
+    seed : int
+        Seed of the initialization.
+
+    Returns
+    -------
+    nn.Module
+        The policy (:mod:`tokenmdp.exact.policies`).
+    """
     cls = {"tabular": TabularPolicy, "loglinear": LogLinearPolicy, "neural": NeuralPolicy}
     if kind not in cls:
         raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {kind!r}")
@@ -128,29 +173,63 @@ def _rounding(value: str):
 
 @dataclasses.dataclass(frozen=True)
 class Lab:
-    """The built objects of a :class:`Setup`, shared by every estimator compared."""
+    """The built objects of a :class:`Setup`, shared by every estimator compared.
+
+    Parameters
+    ----------
+    setup : Setup
+        The setup it was built from.
+    mdp : TokenMDP
+        The setup's MDP (:func:`build_mdp`).
+    policy : nn.Module
+        ``π_θ``, whose gradient ``∇J`` is estimated.
+    old : nn.Module
+        ``π_old``, the training engine at the rollout weights (the ratios' denominator).
+    behavior : nn.Module
+        ``μ``, the engine that sampled.
+    jacobian : Tensor
+        ``∇_θ log π(a|s)`` of ``π_θ`` for every state-action pair.
+    """
 
     setup: Setup
     mdp: TokenMDP
     policy: nn.Module
-    """``π_θ``, whose gradient ``∇J`` is estimated."""
     old: nn.Module
-    """``π_old``, the training engine at the rollout weights (the ratios' denominator)."""
     behavior: nn.Module
-    """``μ``, the engine that sampled."""
     jacobian: torch.Tensor
-    """``∇_θ log π(a|s)`` of ``π_θ`` for every state-action pair."""
 
 
 def build_mdp(setup: Setup) -> tuple[TokenMDP, nn.Module]:
-    """The setup's MDP and its policy ``π_θ``."""
+    """The setup's MDP and its policy ``π_θ``.
+
+    Parameters
+    ----------
+    setup : Setup
+        Vocabulary, length, prompts, reward, policy class and seed.
+
+    Returns
+    -------
+    (TokenMDP, nn.Module)
+        The MDP and ``π_θ``.
+    """
     mdp = TokenMDP(setup.vocab, setup.max_len, build_reward(setup.reward, setup.vocab),
                    prompts=[(i,) for i in range(setup.prompts)])
     return mdp, build_policy(mdp, setup.policy, setup.seed)
 
 
 def build_lab(setup: Setup) -> Lab:
-    """Build the MDP, ``π_θ``, ``π_old`` (stale copy), ``μ`` (inference copy) and the Jacobian."""
+    """Build the MDP, ``π_θ``, ``π_old`` (stale copy), ``μ`` (inference copy) and the Jacobian.
+
+    Parameters
+    ----------
+    setup : Setup
+        The comparison to build.
+
+    Returns
+    -------
+    Lab
+        The built objects (``π_old = π_θ`` on-policy, ``μ = π_old`` without discrepancy).
+    """
     mdp, policy = build_mdp(setup)
     old = stale_copy(mdp, policy, distance=setup.stale_distance) if setup.stale else policy
     behavior = old
@@ -166,6 +245,20 @@ def measure(lab: Lab, estimator: estimators.Estimator, *,
 
     ``behavior`` replaces the lab's sampler ``μ`` (for counterfactuals such as "sampled from
     ``π_old``"); the Monte Carlo generator is seeded with the setup's seed.
+
+    Parameters
+    ----------
+    lab : Lab
+        The built comparison (group size, method and samples from its setup).
+    estimator : Estimator
+        The estimator whose moments are computed.
+    behavior : nn.Module, optional
+        The sampler to use instead of ``lab.behavior``.
+
+    Returns
+    -------
+    Moments
+        Mean, total variance, bias and ``∇J`` of the estimator's gradient.
     """
     s = lab.setup
     return moments(lab.mdp, lab.policy, estimator, group_size=s.group_size,
@@ -181,6 +274,11 @@ def rescaled_mse(m: Moments) -> tuple[float, float]:
     is minimized over ``c ≥ 0`` by ``c* = max(0, ⟨E ĝ, ∇J⟩ / E‖ĝ‖²)``. (``Moments.scale`` divides by
     ``‖E ĝ‖²`` instead: the rescaling that best matches the *mean*, ignoring the variance.)
 
+    Parameters
+    ----------
+    m : Moments
+        The estimator's moments (:func:`measure`).
+
     Returns
     -------
     (float, float)
@@ -195,7 +293,22 @@ def rescaled_mse(m: Moments) -> tuple[float, float]:
 
 def summary_row(name: str, m: Moments, seconds: float = 0.0) -> dict:
     """``m.summary()`` with ``c_star``, ``mse_c_star``, ``no_step_mse = ‖∇J‖²``, the method
-    and the seconds it took: one row of the table, CSV and JSON."""
+    and the seconds it took: one row of the table, CSV and JSON.
+
+    Parameters
+    ----------
+    name : str
+        The estimator's name (the row's ``estimator``).
+    m : Moments
+        Its moments (:func:`measure`).
+    seconds : float, default 0.0
+        How long computing them took.
+
+    Returns
+    -------
+    dict
+        Column name → value (floats, and the strings ``estimator`` and ``method``).
+    """
     c, mse_c = rescaled_mse(m)
     return {"estimator": name, **m.summary(), "c_star": c, "mse_c_star": mse_c,
             "no_step_mse": float(m.true_gradient @ m.true_gradient), "method": m.method,
@@ -203,14 +316,38 @@ def summary_row(name: str, m: Moments, seconds: float = 0.0) -> dict:
 
 
 def timed_row(lab: Lab, name: str) -> tuple[dict, Moments]:
-    """:func:`summary_row` of the registry estimator ``name``, timed, and its moments."""
+    """:func:`summary_row` of the registry estimator ``name``, timed, and its moments.
+
+    Parameters
+    ----------
+    lab : Lab
+        The built comparison.
+    name : str
+        A registry name (``tokenmdp estimators`` lists them).
+
+    Returns
+    -------
+    (dict, Moments)
+        The row (with the seconds :func:`measure` took) and the moments.
+    """
     t0 = time.perf_counter()
     m = measure(lab, estimators.get(name))
     return summary_row(name, m, time.perf_counter() - t0), m
 
 
 def describe_scenario(setup: Setup) -> str:
-    """The scenario in words: what ``π_old`` and the sampler ``μ`` are, and ``G``."""
+    """The scenario in words: what ``π_old`` and the sampler ``μ`` are, and ``G``.
+
+    Parameters
+    ----------
+    setup : Setup
+        The comparison described.
+
+    Returns
+    -------
+    str
+        One sentence (``π_ref = π_old`` for KL penalties included).
+    """
     if setup.stale:
         old = (f"π_old is a stale copy {setup.stale_distance:g} away from π_θ along ∇J "
                f"(θ_old = θ − {setup.stale_distance:g} ∇J/‖∇J‖)")

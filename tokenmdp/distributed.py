@@ -38,6 +38,13 @@ class StepCounts(NamedTuple):
 
     These are ``N_tokens`` and ``S`` of the aggregation table (docs: Concepts › Aggregation),
     the ``num_tokens`` and ``num_sequences`` arguments of ``estimators.prepare``.
+
+    Parameters
+    ----------
+    num_loss_tokens : int
+        Tokens of the step where the loss mask is set (``N_tokens``).
+    num_sequences : int
+        Sequences of the step with at least one loss token (``S``).
     """
 
     num_loss_tokens: int
@@ -140,6 +147,16 @@ def data_parallel_loss_scale(*, group: dist.ProcessGroup | None = None) -> int:
     loss by this factor (``W``) before ``backward()`` to get exactly ``grad L``; without it the
     gradient is ``W`` times too small (Adam mostly hides that, up to ``eps`` and gradient
     clipping; SGD does not).
+
+    Parameters
+    ----------
+    group : ProcessGroup, optional
+        The data-parallel group (default: the world).
+
+    Returns
+    -------
+    int
+        ``W``, the number of ranks of ``group`` (1 without an initialized process group).
     """
     if _is_distributed():
         return dist.get_world_size(group)
@@ -147,7 +164,18 @@ def data_parallel_loss_scale(*, group: dist.ProcessGroup | None = None) -> int:
 
 
 def rank_and_world_size(*, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """``(rank, world size)`` of ``group``; ``(0, 1)`` without an initialized process group."""
+    """``(rank, world size)`` of ``group``; ``(0, 1)`` without an initialized process group.
+
+    Parameters
+    ----------
+    group : ProcessGroup, optional
+        Default: the world.
+
+    Returns
+    -------
+    (int, int)
+        This process's rank in ``group`` and the number of ranks.
+    """
     if _is_distributed():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
@@ -168,10 +196,19 @@ def all_reduce_floats(values: list[float], *, op: str = "sum", device: torch.dev
     Parameters
     ----------
     values : list of float
+        This rank's numbers (converted with ``float``).
     op : {"sum", "min", "max"}
+        The reduction, element by element.
     device : torch.device or str
         Where the tensor lives for the collective (a CUDA device with NCCL).
     group : ProcessGroup, optional
+        Default: the world.
+
+    Returns
+    -------
+    list of float
+        The reduced numbers, the same on every rank (``values`` as floats when not distributed
+        or empty).
     """
     if op not in _REDUCE_OPS:
         raise ValueError(f"op: expected one of {', '.join(_REDUCE_OPS)}, got {op!r}")
@@ -185,7 +222,20 @@ def all_reduce_floats(values: list[float], *, op: str = "sum", device: torch.dev
 
 def all_gather_objects(obj, *, group: dist.ProcessGroup | None = None) -> list:
     """``[obj of rank 0, obj of rank 1, ...]`` (picklable objects); ``[obj]`` without a process
-    group. A collective: every rank of ``group`` must call it."""
+    group. A collective: every rank of ``group`` must call it.
+
+    Parameters
+    ----------
+    obj : object
+        This rank's object (anything ``pickle`` can send).
+    group : ProcessGroup, optional
+        Default: the world.
+
+    Returns
+    -------
+    list
+        One object per rank of ``group``, in rank order.
+    """
     if not _is_distributed():
         return [obj]
     out = [None] * dist.get_world_size(group)

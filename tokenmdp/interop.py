@@ -112,10 +112,18 @@ def from_hf(input_ids: object, attention_mask: object = None, labels: object = N
     advantage, loss_weight : float ``[S, L]``, optional
         Same layout as ``input_ids``. Default: 1 on loss tokens, 0 elsewhere.
     behavior_logprob, old_logprob, ref_logprob : float ``[S, L]``, optional
+        Per-token log-probs of the sampler, the old policy and the reference, same layout as
+        ``input_ids``.
     token_extras : mapping of str to ``[S, L, ...]``, optional
+        Further per-token data (e.g. routing traces), moved with the tokens by packing.
     dtype : torch.dtype, optional
         Float dtype of the defaults and of float fields given as lists (default: that of the
         first float field given as a tensor, else float64). Tensors are never cast.
+
+    Returns
+    -------
+    TokenBatch
+        One row per sequence, the real tokens moved to the left of each row (right padding).
 
     Raises
     ------

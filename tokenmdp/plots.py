@@ -54,6 +54,11 @@ def plot_comparison(rows: Sequence[Mapping[str, float]], path: str | Path | None
         Where to write the PNG (the figure is returned either way).
     title : str
         The figure's title (above the panels' own titles).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        The four-panel figure (closed once written when ``path`` is given).
     """
     names = [r["estimator"] for r in rows]
     panels = [("relative_bias", "relative bias", "‖E ĝ − ∇J‖ / ‖∇J‖", False),
@@ -98,7 +103,22 @@ def plot_comparison(rows: Sequence[Mapping[str, float]], path: str | Path | None
 
 
 def plot_first_order(points, path: str | Path | None = None):
-    """Improvements along a path (:func:`tokenmdp.exact.first_order.first_order_path`)."""
+    """Improvements along a path (:func:`tokenmdp.exact.first_order.first_order_path`).
+
+    Parameters
+    ----------
+    points : sequence of PathPoint
+        The path's points, in step order (``step``, the improvements, ``gap``, ``bound``,
+        ``gradient_error``).
+    path : path, optional
+        Where to write the PNG (the figure is returned either way).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        Left: true, token-surrogate and sequence-IS improvements; right: ``|J − L|``, its
+        trust-region bound and ``‖∇L − ∇J‖`` on log-log axes.
+    """
     s = [p.step for p in points]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot(s, [p.true_improvement for p in points], "k-", label="true J(θ) − J(θ_old)")
@@ -120,7 +140,20 @@ def plot_first_order(points, path: str | Path | None = None):
 
 def plot_length_drift(tracks: Mapping[str, Sequence[tuple[float, float]]],
                       path: str | Path | None = None):
-    """``E|y|`` and ``J`` per ascent step for each estimator (:func:`length_drift`)."""
+    """``E|y|`` and ``J`` per ascent step for each estimator (:func:`length_drift`).
+
+    Parameters
+    ----------
+    tracks : mapping of str to sequence of (float, float)
+        Estimator name → ``(J, E|y|)`` per step, as :func:`length_drift` returns them.
+    path : path, optional
+        Where to write the PNG (the figure is returned either way).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        Left: ``E|y|`` per step; right: ``J`` per step, one line per estimator.
+    """
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for name, track in tracks.items():
         a.plot([t[1] for t in track], label=name)

@@ -1,4 +1,4 @@
-"""The configuration of the tiny MoE transformer: one frozen dataclass, a docstring per field."""
+"""The configuration of the tiny MoE transformer: one frozen dataclass, every field documented."""
 
 from __future__ import annotations
 
@@ -12,39 +12,57 @@ class ModelConfig:
     """Shape of the decoder-only MoE transformer of :mod:`tokenmdp.model.transformer`.
 
     Raises ``TypeError`` / ``ValueError`` naming the field on a bad value.
+
+    Parameters
+    ----------
+    vocab_size : int, default 32
+        Number of token ids ``V`` (the output distribution is over all of them).
+    d_model : int, default 32
+        Width ``D`` of the residual stream.
+    n_layers : int, default 2
+        Number of transformer blocks (each: attention, then an MoE or dense MLP).
+    n_heads : int, default 2
+        Attention heads; ``d_model`` must be divisible by it and the head size must be even (RoPE).
+    n_experts : int, default 4
+        Experts ``E`` per MoE layer (ignored when ``dense``).
+    top_k : int, default 2
+        Experts ``K`` each token is routed to; gates are the softmax of their router scores.
+    expert_hidden : int, default 32
+        Hidden width of each expert's SwiGLU MLP (of the dense MLP when ``dense``).
+    dense : bool, default False
+        Use one dense SwiGLU MLP per block instead of experts (no router, empty routing traces).
+    rope_base : float, default 10000.0
+        Base ``b`` of the rotary frequencies ``b^{-2i/h}``.
+    norm_eps : float, default 1e-6
+        Epsilon of RMSNorm.
+    init_std : float, default 0.02
+        Standard deviation of the normal initialisation of every weight matrix.
+    expert_capacity_factor : float or None, default None
+        ``None``: dropless (the default). A number ``c``: each expert takes at most
+        ``ceil(c N K / E)`` of the ``N`` real tokens of the forward pass, in row-major order, and
+        drops the rest.
+        Which tokens are dropped depends on the layout, so this exists only as the named
+        counter-example to layout invariance.
+    attention : str, default "auto"
+        Attention of batch forward passes: ``"sdpa"`` (``scaled_dot_product_attention`` with a
+        boolean mask), ``"flex"`` (FlexAttention with a document block mask; on the CPU eager, slow
+        and forward-only) or ``"auto"`` (flex on CUDA, sdpa elsewhere). KV-cache decoding always
+        uses sdpa.
     """
 
     vocab_size: int = 32
-    """Number of token ids ``V`` (the output distribution is over all of them)."""
     d_model: int = 32
-    """Width ``D`` of the residual stream."""
     n_layers: int = 2
-    """Number of transformer blocks (each: attention, then an MoE or dense MLP)."""
     n_heads: int = 2
-    """Attention heads; ``d_model`` must be divisible by it and the head size must be even (RoPE)."""
     n_experts: int = 4
-    """Experts ``E`` per MoE layer (ignored when ``dense``)."""
     top_k: int = 2
-    """Experts ``K`` each token is routed to; gates are the softmax of their router scores."""
     expert_hidden: int = 32
-    """Hidden width of each expert's SwiGLU MLP (of the dense MLP when ``dense``)."""
     dense: bool = False
-    """Use one dense SwiGLU MLP per block instead of experts (no router, empty routing traces)."""
     rope_base: float = 10000.0
-    """Base ``b`` of the rotary frequencies ``b^{-2i/h}``."""
     norm_eps: float = 1e-6
-    """Epsilon of RMSNorm."""
     init_std: float = 0.02
-    """Standard deviation of the normal initialisation of every weight matrix."""
     expert_capacity_factor: float | None = None
-    """``None``: dropless (the default). A number ``c``: each expert takes at most
-    ``ceil(c N K / E)`` of the ``N`` real tokens of the forward pass, in row-major order, and
-    drops the rest. Which tokens are dropped depends on the layout, so this exists only as the
-    named counter-example to layout invariance."""
     attention: str = "auto"
-    """Attention of batch forward passes: ``"sdpa"`` (``scaled_dot_product_attention`` with a
-    boolean mask), ``"flex"`` (FlexAttention with a document block mask; on the CPU eager, slow
-    and forward-only) or ``"auto"`` (flex on CUDA, sdpa elsewhere). KV-cache decoding always uses sdpa."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k",

@@ -126,15 +126,17 @@ def token_batches(draw, *, dtype: torch.dtype = torch.float64, max_groups: int =
 class Layout:
     """A re-layout ``batch -> batch``: an optional sequence permutation, then a placement.
 
-    Attributes
+    Call it on a :class:`~tokenmdp.TokenBatch` to get the same sequences in the new layout.
+
+    Parameters
     ----------
     kind : str
         One of :data:`LAYOUT_KINDS`: keep the places (``as_is``), one sequence per row
         (``padded``), one row (``flat``), or packed rows (``first_fit_decreasing``,
         ``in_order``).
-    extra_capacity : int
+    extra_capacity : int, default 0
         Row capacity beyond the minimum (the longest sequence; for ``flat`` all tokens).
-    permutation_seed : int or None
+    permutation_seed : int or None, default None
         If set, sequences are renumbered by a random permutation first (so packing sees them in
         another order).
     """
@@ -187,17 +189,20 @@ def layouts(draw, *, kinds: tuple[str, ...] = LAYOUT_KINDS, max_extra_capacity: 
 class MicroBatchSplit:
     """A split ``batch -> list of micro-batches`` holding every sequence exactly once.
 
-    Attributes
+    Call it on a :class:`~tokenmdp.TokenBatch` to get the list of micro-batches.
+
+    Parameters
     ----------
     num_micro_batches : int
         Requested count; capped at the number of rows (``by_rows``) or of sequences.
-    by_rows : bool
+    by_rows : bool, default True
         True: re-lay the batch out with ``layout`` and cut its rows in order
         (:func:`tokenmdp.packing.split_micro_batches`, the trainer's way). False: cut a random
         permutation of the sequences into contiguous chunks of random sizes, then re-lay each
         chunk out with ``layout``.
-    layout : Layout or None
-    seed : int
+    layout : Layout or None, default None
+        The re-layout applied (None: the places are kept).
+    seed : int, default 0
         Seed of the permutation and chunk sizes (``by_rows=False``).
     """
 
