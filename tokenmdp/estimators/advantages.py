@@ -65,7 +65,18 @@ def _std(deviation_S: torch.Tensor, index: torch.Tensor, size: torch.Tensor, ddo
 
 
 def reward_advantage(reward_S: torch.Tensor) -> torch.Tensor:
-    """``A_i = R_i``: no baseline (REINFORCE; Williams 1992, Machine Learning 8:229)."""
+    """``A_i = R_i``: no baseline (REINFORCE; Williams 1992, Machine Learning 8:229).
+
+    Parameters
+    ----------
+    reward_S : Tensor ``[S]``
+        Float rewards, one per sequence (finite).
+
+    Returns
+    -------
+    Tensor ``[S]``
+        A copy of ``reward_S``.
+    """
     _check(reward_S)
     return reward_S.clone()
 
@@ -74,6 +85,18 @@ def group_mean_advantage(reward_S: torch.Tensor, group_S: torch.Tensor) -> torch
     """``A_i = R_i - mean_{j in g(i)} R_j`` (Dr. GRPO, arXiv 2503.20783; MiniRL, arXiv 2512.01374).
 
     Equals ``(G-1)/G`` times the leave-one-out advantage, sample by sample.
+
+    Parameters
+    ----------
+    reward_S : Tensor ``[S]``
+        Float rewards, one per sequence (finite).
+    group_S : Tensor ``[S]``
+        Integer group id of each sequence (any ids; a group is one prompt's responses).
+
+    Returns
+    -------
+    Tensor ``[S]``
+        The advantages, exactly 0 in a group whose rewards are all equal.
     """
     _check(reward_S, group_S)
     return _group_deviation(reward_S, group_S)[0]
@@ -86,6 +109,22 @@ def group_normalized_advantage(reward_S: torch.Tensor, group_S: torch.Tensor, *,
     ``std_g = sqrt(sum_j (R_j - mean_g)^2 / (G - ddof))``: ``ddof=1`` is the sample std that
     TRL and verl use (``torch.std``), ``ddof=0`` the population std. ``eps`` is added to the std
     (verl 1e-6, TRL 1e-4). A group needs more than ``ddof`` sequences (``ValueError`` otherwise).
+
+    Parameters
+    ----------
+    reward_S : Tensor ``[S]``
+        Float rewards, one per sequence (finite).
+    group_S : Tensor ``[S]``
+        Integer group id of each sequence.
+    ddof : int
+        Delta degrees of freedom of the std (1 = sample std, 0 = population std).
+    eps : float
+        Added to the std (>= 0).
+
+    Returns
+    -------
+    Tensor ``[S]``
+        The advantages, exactly 0 in a group whose rewards are all equal.
     """
     _check(reward_S, group_S)
     return _normalized(reward_S, group_S, ddof=ddof, eps=eps, who="group_S")
@@ -104,6 +143,18 @@ def leave_one_out_advantage(reward_S: torch.Tensor, group_S: torch.Tensor) -> to
     arXiv 2402.14740). Unbiased: the baseline does not depend on sample i. Groups of size >= 2.
 
     Computed as ``G/(G-1) (R_i - mean_g)``, the same number without a second pass.
+
+    Parameters
+    ----------
+    reward_S : Tensor ``[S]``
+        Float rewards, one per sequence (finite).
+    group_S : Tensor ``[S]``
+        Integer group id of each sequence; every group has at least 2 sequences.
+
+    Returns
+    -------
+    Tensor ``[S]``
+        The advantages, exactly 0 in a group whose rewards are all equal.
     """
     _check(reward_S, group_S)
     deviation, index, size = _group_deviation(reward_S, group_S)
@@ -118,7 +169,24 @@ def batch_normalized_advantage(reward_S: torch.Tensor, *, ddof: int, eps: float,
     (REINFORCE++-style global normalization, arXiv 2501.03262; PPO's advantage normalization).
 
     ``step_S`` (optional) splits the batch into independent optimizer steps, each normalized
-    over its own sequences (used to stack many steps into one batch, as the exact lab does)."""
+    over its own sequences (used to stack many steps into one batch, as the exact lab does).
+
+    Parameters
+    ----------
+    reward_S : Tensor ``[S]``
+        Float rewards, one per sequence (finite).
+    ddof : int
+        Delta degrees of freedom of the std (1 = sample std, 0 = population std).
+    eps : float
+        Added to the std (>= 0).
+    step_S : Tensor ``[S]``, optional
+        Integer optimizer-step id of each sequence (default: all one step).
+
+    Returns
+    -------
+    Tensor ``[S]``
+        The advantages, exactly 0 where every reward of a step is equal.
+    """
     _check(reward_S)
     steps = torch.zeros_like(reward_S, dtype=torch.long) if step_S is None else step_S
     return _normalized(reward_S, steps, ddof=ddof, eps=eps, who="reward_S")
@@ -154,6 +222,13 @@ class RewardAsAdvantage(Advantage):
         return reward_advantage(reward_S)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            ``"R (no baseline)"``.
+        """
         return "R (no baseline)"
 
 
@@ -165,17 +240,30 @@ class GroupMean(Advantage):
         return group_mean_advantage(reward_S, group_S)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            ``"R - group mean"``.
+        """
         return "R - group mean"
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupNormalized(Advantage):
-    """``A_i = (R_i - mean_g)/(std_g + eps)`` (:func:`group_normalized_advantage`)."""
+    """``A_i = (R_i - mean_g)/(std_g + eps)`` (:func:`group_normalized_advantage`).
+
+    Parameters
+    ----------
+    ddof : int, default 1
+        Delta degrees of freedom of the std: 1 = sample std (TRL, verl), 0 = population std.
+    eps : float, default 1e-6
+        Added to the std (verl's 1e-6; TRL uses 1e-4).
+    """
 
     ddof: int = 1
-    """Delta degrees of freedom of the std: 1 = sample std (TRL, verl), 0 = population std."""
     eps: float = 1e-6
-    """Added to the std (verl's 1e-6; TRL uses 1e-4)."""
 
     def __post_init__(self):
         check_nonnegative("eps", self.eps)
@@ -186,6 +274,13 @@ class GroupNormalized(Advantage):
         return group_normalized_advantage(reward_S, group_S, ddof=self.ddof, eps=self.eps)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            For example ``"(R - group mean)/(std + 1e-06), ddof=1"``.
+        """
         return f"(R - group mean)/(std + {self.eps:g}), ddof={self.ddof}"
 
 
@@ -197,19 +292,32 @@ class LeaveOneOut(Advantage):
         return leave_one_out_advantage(reward_S, group_S)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            ``"R - leave-one-out mean"``.
+        """
         return "R - leave-one-out mean"
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchNormalized(Advantage):
     """``A_i = (R_i - mean)/(std + eps)`` over the step (:func:`batch_normalized_advantage`);
-    groups are not used. Batch-wide: a data-parallel rank must see every rank's rewards."""
+    groups are not used. Batch-wide: a data-parallel rank must see every rank's rewards.
+
+    Parameters
+    ----------
+    ddof : int, default 1
+        Delta degrees of freedom of the std: 1 = sample std, 0 = population std.
+    eps : float, default 1e-6
+        Added to the std.
+    """
 
     group_local = False
     ddof: int = 1
-    """Delta degrees of freedom of the std."""
     eps: float = 1e-6
-    """Added to the std."""
 
     def __post_init__(self):
         check_nonnegative("eps", self.eps)
@@ -220,4 +328,12 @@ class BatchNormalized(Advantage):
         return batch_normalized_advantage(reward_S, ddof=self.ddof, eps=self.eps, step_S=step_S)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            For example ``"(R - batch mean)/(std + 1e-06), ddof=1"``.
+        """
         return f"(R - batch mean)/(std + {self.eps:g}), ddof={self.ddof}"
+

@@ -33,8 +33,15 @@ from tokenmdp.estimators._common import loss_token_counts
 __all__ = ["Aggregation", "count_step", "loss_weights"]
 
 
-class Aggregation(enum.Enum):
-    """The per-token loss-weight rule (values are the names verl uses, ``constant`` aside)."""
+# PR01 would ask for the parameters of Enum's functional API (names, module, qualname, ...).
+class Aggregation(enum.Enum):  # numpydoc ignore=PR01
+    """The per-token loss-weight rule (values are the names verl uses, ``constant`` aside).
+
+    Parameters
+    ----------
+    value : str
+        A member's value: ``Aggregation("token-mean")`` is ``Aggregation.TOKEN_MEAN``.
+    """
 
     TOKEN_MEAN = "token-mean"
     """``1/N_tokens``: every token of the step counts equally (DAPO, arXiv 2503.14476)."""
@@ -54,7 +61,22 @@ def count_step(batch: TokenBatch, mask_RC: torch.Tensor | None = None) -> tuple[
 
     Sum these over micro-batches and ranks (for example with an all-reduce) to get the step
     counts that :func:`loss_weights` and :func:`~tokenmdp.estimators.prepare` take.
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        The batch (all or part of one optimizer step).
+    mask_RC : BoolTensor ``[R, C]``, optional
+        The tokens to count (default ``batch.loss_mask``).
+
+    Returns
+    -------
+    num_tokens : int
+        ``N_tokens``, the tokens of ``batch`` where ``mask_RC`` is set.
+    num_sequences : int
+        ``S``, the sequences with at least one of them.
     """
+
     mask = batch.loss_mask if mask_RC is None else mask_RC
     per_seq = loss_token_counts(batch, mask)
     return int(mask.sum()), int((per_seq > 0).sum())

@@ -45,8 +45,15 @@ __all__ = [
 ]
 
 
-class Level(enum.Enum):
-    """Where the factor ``w`` is formed: per token, per sequence (product), geometric mean."""
+# PR01 would ask for the parameters of Enum's functional API (names, module, qualname, ...).
+class Level(enum.Enum):  # numpydoc ignore=PR01
+    """Where the factor ``w`` is formed: per token, per sequence (product), geometric mean.
+
+    Parameters
+    ----------
+    value : str
+        A member's value: ``Level("sequence")`` is ``Level.SEQUENCE``.
+    """
 
     TOKEN = "token"
     SEQUENCE = "sequence"
@@ -68,7 +75,15 @@ def _coerce_level(correction) -> None:
 
 
 class CorrectionFactor(NamedTuple):
-    """A correction's output: ``factor_RC`` (None = 1) and ``keep_RC`` (None = all kept)."""
+    """A correction's output: ``factor_RC`` (None = 1) and ``keep_RC`` (None = all kept).
+
+    Parameters
+    ----------
+    factor_RC : Tensor ``[R, C]`` or None
+        The detached per-token multiplier of the surrogate; None means 1 everywhere.
+    keep_RC : BoolTensor ``[R, C]`` or None
+        The tokens a masked correction kept; None means all kept.
+    """
 
     factor_RC: torch.Tensor | None
     keep_RC: torch.Tensor | None
@@ -76,7 +91,22 @@ class CorrectionFactor(NamedTuple):
 
 def training_inference_log_weight(old_logprobs_RC: torch.Tensor, behavior_logprobs_RC: torch.Tensor,
                                   loss_mask_RC: torch.Tensor) -> torch.Tensor:
-    """``log w_t = log π_old(y_t) - log μ(y_t)`` on loss tokens, 0 elsewhere."""
+    """``log w_t = log π_old(y_t) - log μ(y_t)`` on loss tokens, 0 elsewhere.
+
+    Parameters
+    ----------
+    old_logprobs_RC : Tensor ``[R, C]``
+        ``log π_old`` of each token (finite; a new tensor is returned, this one is not changed).
+    behavior_logprobs_RC : Tensor ``[R, C]``
+        ``log μ`` of each token, from the inference engine that drew it.
+    loss_mask_RC : BoolTensor ``[R, C]``
+        The loss tokens.
+
+    Returns
+    -------
+    Tensor ``[R, C]``
+        ``log w_t`` on the loss tokens, 0 elsewhere.
+    """
     # batch log-probs are finite, so a product with the 0/1 mask zeroes the rest in place
     return (old_logprobs_RC - behavior_logprobs_RC).mul_(loss_mask_RC)
 
@@ -84,7 +114,22 @@ def training_inference_log_weight(old_logprobs_RC: torch.Tensor, behavior_logpro
 def level_log_weight(log_w_RC: torch.Tensor, batch: TokenBatch, level: Level) -> torch.Tensor:
     """``log w`` at ``level``, per token: ``log w_t``; ``sum_t log w_t`` (sequence, the log of
     the product); or ``mean_t log w_t`` (geometric) of the token's sequence. ``log_w_RC`` must be
-    0 off loss tokens (as :func:`training_inference_log_weight` returns)."""
+    0 off loss tokens (as :func:`training_inference_log_weight` returns).
+
+    Parameters
+    ----------
+    log_w_RC : Tensor ``[R, C]``
+        ``log w_t``, 0 off the loss tokens.
+    batch : TokenBatch
+        The batch the tokens belong to (its ``sequence_id`` and ``loss_mask``).
+    level : Level
+        Token, sequence (sum of logs) or geometric (mean of logs).
+
+    Returns
+    -------
+    Tensor ``[R, C]``
+        The log factor at ``level``, the sequence's value on each of its tokens.
+    """
     if level is Level.TOKEN:
         return log_w_RC
     if not isinstance(level, Level):
@@ -97,12 +142,38 @@ def level_log_weight(log_w_RC: torch.Tensor, batch: TokenBatch, level: Level) ->
 
 def importance_weight(log_w_RC: torch.Tensor, *, bound: float = MAX_LOG_RATIO) -> torch.Tensor:
     """IS: ``w = exp(log w)``, held at ``e^bound`` (default e^20) so products of thousands of
-    tokens stay finite."""
+    tokens stay finite.
+
+    Parameters
+    ----------
+    log_w_RC : Tensor ``[R, C]``
+        ``log w`` of each token (at any :class:`Level`).
+    bound : float, default ``MAX_LOG_RATIO`` (20)
+        The cap on ``log w``.
+
+    Returns
+    -------
+    Tensor ``[R, C]``
+        ``exp(min(log w, bound))``.
+    """
     return capped_exp(log_w_RC, bound=bound)
 
 
 def truncated_importance_weight(log_w_RC: torch.Tensor, *, cap: float) -> torch.Tensor:
-    """TIS: ``min(w, C)`` computed as ``exp(min(log w, log C))`` (Yao et al. 2025)."""
+    """TIS: ``min(w, C)`` computed as ``exp(min(log w, log C))`` (Yao et al. 2025).
+
+    Parameters
+    ----------
+    log_w_RC : Tensor ``[R, C]``
+        ``log w`` of each token (at any :class:`Level`).
+    cap : float
+        ``C > 0``.
+
+    Returns
+    -------
+    Tensor ``[R, C]``
+        ``min(w, C)``.
+    """
     check_positive("cap", cap)
     return log_w_RC.clamp(max=math.log(cap)).exp_()
 
@@ -110,7 +181,22 @@ def truncated_importance_weight(log_w_RC: torch.Tensor, *, cap: float) -> torch.
 def masked_importance_weight(log_w_RC: torch.Tensor, *, low: float, high: float
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """MIS: ``(w · 1{low <= w <= high}, keep)`` with ``keep = 1{low <= w <= high}`` (IcePop,
-    arXiv 2510.18855). ``low = 0`` is a one-sided threshold ``w <= high``."""
+    arXiv 2510.18855). ``low = 0`` is a one-sided threshold ``w <= high``.
+
+    Parameters
+    ----------
+    log_w_RC : Tensor ``[R, C]``
+        ``log w`` of each token (at any :class:`Level`).
+    low, high : float
+        The band ``[α, β]``, ``0 <= low < high``.
+
+    Returns
+    -------
+    weight : Tensor ``[R, C]``
+        ``w · 1{low <= w <= high}``.
+    keep : BoolTensor ``[R, C]``
+        ``1{low <= w <= high}``.
+    """
     if not (0 <= low < high):
         raise ValueError(f"low, high: need 0 <= low < high, got low={low}, high={high}")
     log_high = math.log(high)
@@ -156,15 +242,28 @@ class NoCorrection(Correction):
         return CorrectionFactor(None, None)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            ``"none"``.
+        """
         return "none"
 
 
 @dataclasses.dataclass(frozen=True)
 class ImportanceSampling(Correction):
-    """Multiply by ``w = π_old/μ`` at ``level`` (:func:`importance_weight`)."""
+    """Multiply by ``w = π_old/μ`` at ``level`` (:func:`importance_weight`).
+
+    Parameters
+    ----------
+    level : Level or str, default ``Level.TOKEN``
+        Token ``w_t``, sequence ``Π_t w_t`` or geometric mean ``exp(mean_t log w_t)`` (a
+        :class:`Level` value such as ``"sequence"`` is accepted and converted).
+    """
 
     level: Level = Level.TOKEN
-    """Token ``w_t``, sequence ``Π_t w_t`` or geometric mean ``exp(mean_t log w_t)``."""
 
     def __post_init__(self):
         _coerce_level(self)
@@ -173,17 +272,30 @@ class ImportanceSampling(Correction):
         return CorrectionFactor(importance_weight(self._log_w(batch)), None)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            For example ``"IS (token)"``.
+        """
         return f"IS ({self.level.value})"
 
 
 @dataclasses.dataclass(frozen=True)
 class TruncatedIS(Correction):
-    """Multiply by ``min(w, C)`` at ``level`` (:func:`truncated_importance_weight`)."""
+    """Multiply by ``min(w, C)`` at ``level`` (:func:`truncated_importance_weight`).
+
+    Parameters
+    ----------
+    cap : float, default 2.0
+        ``C > 0`` (Yao et al. 2025 use 2; MiniRL, arXiv 2512.01374, uses 5).
+    level : Level or str, default ``Level.TOKEN``
+        Token, sequence or geometric-mean factor.
+    """
 
     cap: float = 2.0
-    """``C`` (Yao et al. 2025 use 2; MiniRL, arXiv 2512.01374, uses 5)."""
     level: Level = Level.TOKEN
-    """Token, sequence or geometric-mean factor."""
 
     def __post_init__(self):
         check_positive("cap", self.cap)
@@ -193,6 +305,13 @@ class TruncatedIS(Correction):
         return CorrectionFactor(truncated_importance_weight(self._log_w(batch), cap=self.cap), None)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            For example ``"TIS C=2 (token)"``.
+        """
         return f"TIS C={self.cap:g} ({self.level.value})"
 
 
@@ -202,16 +321,23 @@ class MaskedIS(Correction):
 
     ``masked_in_normalizer`` has no default: say whether rejected tokens still count in the
     aggregation's ``N_tokens``, ``S`` and ``|y_i|`` (True, as most frameworks do) or leave them.
+
+    Parameters
+    ----------
+    high : float
+        Upper threshold ``β`` (IcePop 5; a one-sided MIS threshold is often 2).
+    masked_in_normalizer : bool
+        True: rejected tokens stay in the normalizer (they shrink the step); False: they leave it.
+    low : float, default 0.0
+        Lower threshold ``α`` (0 = one-sided; IcePop 0.5).
+    level : Level or str, default ``Level.TOKEN``
+        Token, sequence or geometric-mean factor; a sequence-level reject drops the sequence.
     """
 
     high: float
-    """Upper threshold ``β`` (IcePop 5; a one-sided MIS threshold is often 2)."""
     masked_in_normalizer: bool
-    """True: rejected tokens stay in the normalizer (they shrink the step); False: they leave it."""
     low: float = 0.0
-    """Lower threshold ``α`` (0 = one-sided; IcePop 0.5)."""
     level: Level = Level.TOKEN
-    """Token, sequence or geometric-mean factor; a sequence-level reject drops the sequence."""
 
     def __post_init__(self):
         check_positive("high", self.high)
@@ -226,6 +352,14 @@ class MaskedIS(Correction):
         return CorrectionFactor(factor, keep)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            For example ``"MIS [0.5, 5] (token; masked kept in normalizer)"``.
+        """
         band = f"[{self.low:g}, {self.high:g}]" if self.low > 0 else f"<= {self.high:g}"
+
         norm = "kept in" if self.masked_in_normalizer else "out of"
         return f"MIS {band} ({self.level.value}; masked {norm} normalizer)"

@@ -36,20 +36,32 @@ __all__ = ["Estimator", "advantage_rewards", "counted_mask", "loss",
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Estimator:
-    """A policy-gradient estimator as five independent parts (docs: Concepts › Estimators)."""
+    """A policy-gradient estimator as five independent parts (docs: Concepts › Estimators).
+
+    All parameters are keyword-only.
+
+    Parameters
+    ----------
+    surrogate : Surrogate
+        Per-token term and its ratio (:mod:`~tokenmdp.estimators.surrogates`).
+    advantage : Advantage, default ``RewardAsAdvantage()``
+        Rewards and groups → per-sequence advantage (:mod:`~tokenmdp.estimators.advantages`).
+    correction : Correction, default ``NoCorrection()``
+        The training–inference factor ``π_old/μ`` (:mod:`~tokenmdp.estimators.corrections`).
+    aggregation : Aggregation, default ``Aggregation.TOKEN_MEAN``
+        The loss-weight rule (:mod:`~tokenmdp.estimators.aggregation`).
+    kl : KLPenalty, optional
+        KL penalty to a reference policy, or None (default; :mod:`~tokenmdp.estimators.kl`).
+    name : str, default ``"custom"``
+        Registry name, used in messages and tables.
+    """
 
     surrogate: Surrogate
-    """Per-token term and its ratio (:mod:`~tokenmdp.estimators.surrogates`)."""
     advantage: Advantage = RewardAsAdvantage()
-    """Rewards and groups → per-sequence advantage (:mod:`~tokenmdp.estimators.advantages`)."""
     correction: Correction = NoCorrection()
-    """The training–inference factor ``π_old/μ`` (:mod:`~tokenmdp.estimators.corrections`)."""
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
-    """The loss-weight rule (:mod:`~tokenmdp.estimators.aggregation`)."""
     kl: KLPenalty | None = None
-    """KL penalty to a reference policy, or None (:mod:`~tokenmdp.estimators.kl`)."""
     name: str = "custom"
-    """Registry name, used in messages and tables."""
 
     def __post_init__(self):
         for field, kind in (("surrogate", Surrogate), ("advantage", Advantage),
@@ -62,11 +74,34 @@ class Estimator:
             raise TypeError(f"Estimator.kl: expected a KLPenalty or None, got {self.kl!r}")
 
     def replace(self, **changes) -> Estimator:
-        """A copy with some parts replaced."""
+        """A copy with some parts replaced.
+
+        Parameters
+        ----------
+        **changes
+            New values of fields, by name (``surrogate=PPOClip(eps_high=0.28)``).
+
+        Returns
+        -------
+        Estimator
+            The copy, validated like a new estimator.
+        """
         return dataclasses.replace(self, **changes)
 
     def requires(self, stage: str) -> tuple[str, ...]:
-        """Batch fields read by ``prepare`` (``stage='prepare'``) or ``loss`` (``'loss'``)."""
+        """Batch fields read by ``prepare`` (``stage='prepare'``) or ``loss`` (``'loss'``).
+
+        Parameters
+        ----------
+        stage : {'prepare', 'loss'}
+            The call whose needs are asked for.
+
+        Returns
+        -------
+        tuple of str
+            The optional :class:`~tokenmdp.TokenBatch` fields the stage reads (such as
+            ``old_logprob``), each once.
+        """
         needs = list(self.correction.requires)
         if stage == "loss":
             needs += self.surrogate.requires
@@ -111,7 +146,20 @@ def resolve(estimator: Estimator | str) -> Estimator:
 
 def counted_mask(batch: TokenBatch, estimator: Estimator) -> torch.Tensor:
     """Bool ``[R, C]``: the loss tokens that count in the normalizer (masked-IS rejects leave it
-    only when the correction says so)."""
+    only when the correction says so).
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        The batch (with the fields the estimator's correction reads).
+    estimator : Estimator
+        The estimator whose correction may reject tokens.
+
+    Returns
+    -------
+    BoolTensor ``[R, C]``
+        ``batch.loss_mask``, minus the rejected tokens when they leave the normalizer.
+    """
     keep = estimator.correction(batch).keep_RC
     if keep is None or estimator.correction.masked_in_normalizer:
         return batch.loss_mask
@@ -123,6 +171,20 @@ def step_counts(batch: TokenBatch, estimator: Estimator) -> tuple[int, int]:
 
     For a step spread over several batches or ranks, sum these (all-reduce) and pass the sums to
     :func:`prepare` of each part.
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        The batch (all or part of one optimizer step).
+    estimator : Estimator or str
+        The estimator, or a registry name.
+
+    Returns
+    -------
+    num_tokens : int
+        The counted loss tokens (:func:`counted_mask`).
+    num_sequences : int
+        The sequences with at least one counted token.
     """
     estimator = resolve(estimator)
     estimator._check(batch, "prepare")
@@ -151,6 +213,26 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
     ``advantage_S`` (float ``[S]``, optional) replaces steps 1-2: per-sequence advantages the
     caller computed with :func:`advantage_rewards` and the estimator's advantage part over more
     than this batch (a data-parallel rank's share of a step whose advantage is batch-wide).
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        Whole groups of the step, with ``reward`` and the fields the estimator reads.
+    estimator : Estimator or str
+        The estimator, or a registry name (``"grpo"``).
+    num_tokens, num_sequences : int, optional
+        ``N_tokens`` and ``S`` of the whole step (default: this batch's, :func:`step_counts`).
+    max_len : int, optional
+        ``L_max``, the response-length budget (required by ``Aggregation.CONSTANT``).
+    step : LongTensor ``[S]``, optional
+        Optimizer-step id of each sequence, for several independent steps in one batch.
+    advantage_S : Tensor ``[S]``, optional
+        Per-sequence advantages computed by the caller (in ``batch.dtype``).
+
+    Returns
+    -------
+    TokenBatch
+        A copy of ``batch`` with ``advantage`` and ``loss_weight`` filled (``reward`` unchanged).
     """
     estimator = resolve(estimator)
     estimator._check(batch, "prepare")
@@ -169,7 +251,20 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
 
 def advantage_rewards(batch: TokenBatch, estimator: Estimator) -> torch.Tensor:
     """Float ``[S]``: the rewards the estimator's advantage part sees (the environment reward,
-    minus a KL-in-reward penalty ``β Σ_t k_t`` when the estimator has one)."""
+    minus a KL-in-reward penalty ``β Σ_t k_t`` when the estimator has one).
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        The batch, with ``old_logprob`` and ``ref_logprob`` when the penalty is in the reward.
+    estimator : Estimator or str
+        The estimator, or a registry name.
+
+    Returns
+    -------
+    Tensor ``[S]``
+        One reward per sequence.
+    """
     estimator = resolve(estimator)
     estimator._check(batch, "prepare")
     if estimator.kl is not None and estimator.kl.in_reward:
@@ -298,6 +393,23 @@ def per_micro_batch_token_mean_loss(logprobs_RC: torch.Tensor, batch: TokenBatch
     This is the per-micro-batch normalization many frameworks shipped (TRL's ``bnpo``; gradient
     accumulation over micro-batch means): the estimator then depends on how the step is split, so
     it fails the layout and micro-batch invariance checks that :func:`loss` passes.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable), as for :func:`loss`.
+    batch : TokenBatch
+        A prepared micro-batch; its ``loss_weight`` is replaced.
+    estimator : Estimator or str
+        The estimator, or a registry name; its aggregation is ignored.
+
+    Returns
+    -------
+    loss : scalar tensor
+        The micro-batch token-mean loss.
+    metrics : dict of detached scalar tensors
+        As :func:`loss` returns them.
     """
+
     own = loss_weights(batch, Aggregation.TOKEN_MEAN)
     return loss(logprobs_RC, batch.replace(loss_weight=own), estimator)

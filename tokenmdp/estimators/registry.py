@@ -41,7 +41,21 @@ __all__ = ["Entry", "describe", "format_table", "get", "names"]
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One registry entry: how to build the estimator and where it comes from."""
+    """One registry entry: how to build the estimator and where it comes from.
+
+    Parameters
+    ----------
+    name : str
+        The registry name (``"grpo"``).
+    build : callable
+        ``build() -> Estimator``: a fresh estimator with the paper's defaults.
+    formula : str
+        The loss as a formula in plain text.
+    paper : str
+        The paper (arXiv id or venue) the estimator comes from.
+    aliases : str
+        The names and options other frameworks use for it.
+    """
 
     name: str
     build: Callable[[], Estimator]
@@ -235,7 +249,13 @@ _variant("minirl", "len_norm", "length normalization (the paper's '+length norma
 
 # ---------------------------------------------------------------------- lookup
 def names() -> tuple[str, ...]:
-    """Every registered name, bases first."""
+    """Every registered name, bases first.
+
+    Returns
+    -------
+    tuple of str
+        The names, in registration order.
+    """
     return tuple(_ENTRIES)
 
 
@@ -250,17 +270,47 @@ def _entry(name: str) -> Entry:
 
 
 def get(name: str) -> Estimator:
-    """The registered estimator ``name`` (a fresh frozen :class:`Estimator`)."""
+    """The registered estimator ``name`` (a fresh frozen :class:`Estimator`).
+
+    Parameters
+    ----------
+    name : str
+        A registered name (:func:`names`); an unknown one raises ``ValueError`` with the
+        closest matches.
+
+    Returns
+    -------
+    Estimator
+        The estimator, with the paper's hyperparameters.
+    """
     return _entry(name).build()
 
 
 def describe(name: str) -> str:
-    """The docstring of entry ``name``: summary, defaults, formula, paper, other names."""
+    """The docstring of entry ``name``: summary, defaults, formula, paper, other names.
+
+    Parameters
+    ----------
+    name : str
+        A registered name (:func:`names`).
+
+    Returns
+    -------
+    str
+        The docstring, paragraphs separated by blank lines.
+    """
     return _entry(name).build.__doc__ or ""
 
 
 def format_table() -> str:
-    """Every registered estimator as a plain-text table (for ``tokenmdp estimators``)."""
+    """Every registered estimator as a plain-text table (for ``tokenmdp estimators``).
+
+    Returns
+    -------
+    str
+        One line per estimator (name, its five parts, paper) under a header and a rule.
+    """
+
     header = ("name", "surrogate", "advantage", "correction", "aggregation", "KL", "paper")
     rows = [header]
     for entry in _ENTRIES.values():

@@ -40,7 +40,17 @@ __all__ = [
 class SurrogateTerms(NamedTuple):
     """A surrogate's output: the per-token term ``[R, C]``; detached, the bool ``[R, C]`` where a
     clip or mask was active (None when the surrogate has none) and, when the surrogate computed
-    it, the ratio ``r_t = π_θ/π_old`` (capped; the loss's metrics reuse it)."""
+    it, the ratio ``r_t = π_θ/π_old`` (capped; the loss's metrics reuse it).
+
+    Parameters
+    ----------
+    term_RC : Tensor ``[R, C]``
+        The per-token term, differentiable in ``logprobs_RC``.
+    clipped_RC : BoolTensor ``[R, C]`` or None
+        Detached: where a clip or mask was active; None when the surrogate has none.
+    ratio_RC : Tensor ``[R, C]`` or None, default None
+        Detached ``r_t = exp(min(log r_t, MAX_LOG_RATIO))``, when the surrogate computed it.
+    """
 
     term_RC: torch.Tensor
     clipped_RC: torch.Tensor | None
@@ -59,7 +69,20 @@ def _check_dual_clip(dual_clip: float | None) -> None:
 
 
 def reinforce_term(logprobs_RC: torch.Tensor, advantages_RC: torch.Tensor) -> SurrogateTerms:
-    """``Â log π_θ`` (REINFORCE / weighted NLL; Williams 1992). Gradient ``Â ∇log π_θ``."""
+    """``Â log π_θ`` (REINFORCE / weighted NLL; Williams 1992). Gradient ``Â ∇log π_θ``.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable).
+    advantages_RC : Tensor ``[R, C]``
+        ``Â`` of each token.
+
+    Returns
+    -------
+    SurrogateTerms
+        The term; no clip mask, no ratio.
+    """
     return SurrogateTerms(advantages_RC * logprobs_RC, None)
 
 
@@ -69,6 +92,20 @@ def token_ratio_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
 
     Gradient ``r_t Â ∇log π_θ``; with an IS correction the token weight is ``ρ_t`` and this is
     Qwen's token-level IS objective (arXiv 2512.01374, Eq. 3), the gradient of ``L_μ(π_θ)``.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable).
+    old_logprobs_RC : Tensor ``[R, C]``
+        ``log π_old`` of each token.
+    advantages_RC : Tensor ``[R, C]``
+        ``Â`` of each token.
+
+    Returns
+    -------
+    SurrogateTerms
+        The term and the capped ratio; no clip mask.
     """
     with torch.no_grad():  # value r Â, derivative r Â below the cap (see with_derivative)
         log_ratio = logprobs_RC - old_logprobs_RC
@@ -81,7 +118,24 @@ def token_ratio_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
 def ppo_keep_mask(ratio_RC: torch.Tensor, advantages_RC: torch.Tensor, *, eps_low: float,
                   eps_high: float, dual_clip: float | None = None) -> torch.Tensor:
     """The PPO mask ``M_t`` (bool): False iff ``Â>0, r>1+ε_high`` or ``Â<0, r<1-ε_low`` (or,
-    with dual clip ``c``, ``Â<0, r>c``) — exactly the tokens whose PPO-clip gradient is zero."""
+    with dual clip ``c``, ``Â<0, r>c``) — exactly the tokens whose PPO-clip gradient is zero.
+
+    Parameters
+    ----------
+    ratio_RC : Tensor ``[R, C]``
+        ``r_t = π_θ/π_old`` of each token.
+    advantages_RC : Tensor ``[R, C]``
+        ``Â`` of each token.
+    eps_low, eps_high : float
+        The clip band ``[1 - ε_low, 1 + ε_high]`` (each >= 0).
+    dual_clip : float, optional
+        The dual-clip constant ``c > 1``, or None (no dual clip).
+
+    Returns
+    -------
+    BoolTensor ``[R, C]``
+        ``M_t``: True where the token keeps its gradient.
+    """
     _check_eps(eps_low, eps_high)
     _check_dual_clip(dual_clip)
     pos, neg = advantages_RC > 0, advantages_RC < 0
@@ -102,7 +156,26 @@ def ppo_clip_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
     (0 where ``log r`` exceeds the cap) are computed without autograd and joined by
     ``with_derivative``: the same numbers as
     ``torch.minimum(r Â, clip(r) Â)`` under autograd (``tests/estimators`` compares them), with
-    a one-product backward pass."""
+    a one-product backward pass.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable).
+    old_logprobs_RC : Tensor ``[R, C]``
+        ``log π_old`` of each token.
+    advantages_RC : Tensor ``[R, C]``
+        ``Â`` of each token.
+    eps_low, eps_high : float
+        The clip band ``[1 - ε_low, 1 + ε_high]`` (each >= 0).
+    dual_clip : float, optional
+        The dual-clip constant ``c > 1``, or None (no dual clip).
+
+    Returns
+    -------
+    SurrogateTerms
+        The term, where the clip was active (``~M_t``) and the capped ratio.
+    """
     _check_eps(eps_low, eps_high)
     _check_dual_clip(dual_clip)
     with torch.no_grad():
@@ -130,6 +203,24 @@ def cispo_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
     Clipped tokens keep their gradient ``clip(r_t) Â ∇log π_θ``. With ``mask_eps_low`` and
     ``mask_eps_high`` it is the paper's unified form, multiplied by the PPO mask ``M_t`` taken
     with those ε (both or neither). ``clipped_RC`` marks tokens whose weight was clipped or masked.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable).
+    old_logprobs_RC : Tensor ``[R, C]``
+        ``log π_old`` of each token.
+    advantages_RC : Tensor ``[R, C]``
+        ``Â`` of each token.
+    eps_low, eps_high : float
+        The IS-weight clip band ``[1 - ε_low, 1 + ε_high]`` (each >= 0).
+    mask_eps_low, mask_eps_high : float, optional
+        The ε of the PPO mask ``M_t`` of the unified form (both or neither; default: no mask).
+
+    Returns
+    -------
+    SurrogateTerms
+        The term, where the weight was clipped or masked, and the capped ratio.
     """
     _check_eps(eps_low, eps_high)
     if (mask_eps_low is None) != (mask_eps_high is None):
@@ -151,6 +242,22 @@ def minirl_term(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
 
     Times the correction factor ``π_old/μ`` this is the paper's ``M_t sg(ρ_t) Â log π_θ``. Its
     gradient ``M_t r_t Â ∇log π_θ`` is PPO-clip's; only the loss value differs.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable).
+    old_logprobs_RC : Tensor ``[R, C]``
+        ``log π_old`` of each token.
+    advantages_RC : Tensor ``[R, C]``
+        ``Â`` of each token.
+    eps_low, eps_high : float
+        The band ``[1 - ε_low, 1 + ε_high]`` of the mask ``M_t`` (each >= 0).
+
+    Returns
+    -------
+    SurrogateTerms
+        The term, where the mask dropped a token (``~M_t``) and the capped ratio.
     """
     _check_eps(eps_low, eps_high)
     # sg(r): the ratio weights the score, ∇term = M r Â ∇log π (the PPO-clip gradient).
@@ -190,6 +297,13 @@ class Reinforce(Surrogate):
         return reinforce_term(logprobs_RC, batch.advantage)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            ``"A log pi (REINFORCE)"``.
+        """
         return "A log pi (REINFORCE)"
 
 
@@ -201,19 +315,33 @@ class TokenRatio(Surrogate):
         return token_ratio_term(logprobs_RC, self._old(batch), batch.advantage)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            ``"r A (token ratio)"``.
+        """
         return "r A (token ratio)"
 
 
 @dataclasses.dataclass(frozen=True)
 class PPOClip(Surrogate):
-    """``min(r Â, clip(r, 1-ε_low, 1+ε_high) Â)``, optional dual clip (:func:`ppo_clip_term`)."""
+    """``min(r Â, clip(r, 1-ε_low, 1+ε_high) Â)``, optional dual clip (:func:`ppo_clip_term`).
+
+    Parameters
+    ----------
+    eps_low : float, default 0.2
+        ε_low: lower clip ``1 - ε_low`` (PPO 0.2).
+    eps_high : float, default 0.2
+        ε_high: upper clip ``1 + ε_high`` (PPO 0.2; DAPO's clip-higher 0.28).
+    dual_clip : float, optional
+        Dual-clip constant ``c > 1`` for ``Â < 0`` (Ye et al. use 3), or None (default).
+    """
 
     eps_low: float = 0.2
-    """ε_low: lower clip ``1 - ε_low`` (PPO 0.2)."""
     eps_high: float = 0.2
-    """ε_high: upper clip ``1 + ε_high`` (PPO 0.2; DAPO's clip-higher 0.28)."""
     dual_clip: float | None = None
-    """Dual-clip constant ``c > 1`` for ``Â < 0`` (Ye et al. use 3), or None."""
 
     def __post_init__(self):
         _check_eps(self.eps_low, self.eps_high)
@@ -224,22 +352,38 @@ class PPOClip(Surrogate):
                              eps_high=self.eps_high, dual_clip=self.dual_clip)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            For example ``"PPO clip [1-0.2, 1+0.28]"``.
+        """
         dual = f", dual c={self.dual_clip:g}" if self.dual_clip is not None else ""
         return f"PPO clip [1-{self.eps_low:g}, 1+{self.eps_high:g}]{dual}"
 
 
 @dataclasses.dataclass(frozen=True)
 class CISPO(Surrogate):
-    """``[M_t] sg(clip(r)) Â log π_θ`` (:func:`cispo_term`)."""
+    """``[M_t] sg(clip(r)) Â log π_θ`` (:func:`cispo_term`).
+
+    Parameters
+    ----------
+    eps_low : float, default 1.0
+        ε_low^IS; the paper sets no lower bound (1.0 gives the bound 0, i.e. none).
+    eps_high : float, default 0.2
+        ε_high^IS; tuned in the paper without one reported value (verl's example uses 0.2).
+    mask_eps_low : float, optional
+        ε_low of the PPO mask ``M_t`` of the unified form, or None (default: plain CISPO).
+    mask_eps_high : float, optional
+        ε_high of the PPO mask ``M_t`` of the unified form, or None (given with
+        ``mask_eps_low``).
+    """
 
     eps_low: float = 1.0
-    """ε_low^IS; the paper sets no lower bound (1.0 gives the bound 0, i.e. none)."""
     eps_high: float = 0.2
-    """ε_high^IS; tuned in the paper without one reported value (verl's example uses 0.2)."""
     mask_eps_low: float | None = None
-    """ε_low of the PPO mask ``M_t`` of the unified form, or None (plain CISPO)."""
     mask_eps_high: float | None = None
-    """ε_high of the PPO mask ``M_t`` of the unified form, or None."""
 
     def __post_init__(self):
         _check_eps(self.eps_low, self.eps_high)
@@ -254,6 +398,13 @@ class CISPO(Surrogate):
                           mask_eps_high=self.mask_eps_high)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            For example ``"CISPO sg(clip(r, 1-1, 1+0.2)) A log pi"``.
+        """
         mask = ("" if self.mask_eps_low is None
                 else f", M [1-{self.mask_eps_low:g}, 1+{self.mask_eps_high:g}]")
         return f"CISPO sg(clip(r, 1-{self.eps_low:g}, 1+{self.eps_high:g})) A log pi{mask}"
@@ -261,12 +412,18 @@ class CISPO(Surrogate):
 
 @dataclasses.dataclass(frozen=True)
 class MiniRL(Surrogate):
-    """``M_t sg(r_t) Â log π_θ`` (:func:`minirl_term`)."""
+    """``M_t sg(r_t) Â log π_θ`` (:func:`minirl_term`).
+
+    Parameters
+    ----------
+    eps_low : float, default 0.2
+        ε_low of the mask (MiniRL 0.2).
+    eps_high : float, default 0.27
+        ε_high of the mask (MiniRL 0.27).
+    """
 
     eps_low: float = 0.2
-    """ε_low of the mask (MiniRL 0.2)."""
     eps_high: float = 0.27
-    """ε_high of the mask (MiniRL 0.27)."""
 
     def __post_init__(self):
         _check_eps(self.eps_low, self.eps_high)
@@ -276,4 +433,12 @@ class MiniRL(Surrogate):
                            eps_high=self.eps_high)
 
     def describe(self) -> str:
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            For example ``"M sg(r) A log pi, M [1-0.2, 1+0.27]"``.
+        """
         return f"M sg(r) A log pi, M [1-{self.eps_low:g}, 1+{self.eps_high:g}]"
+
