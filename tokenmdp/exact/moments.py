@@ -17,31 +17,28 @@ Methods:
   tokens). So ``E[ĝ] = G E[g_1]`` needs only ``y_1`` and the type distribution of the others, and
   ``E‖ĝ‖² = G E‖g_1‖² + G(G−1) E<g_1, g_2>``, where, given all types, ``y_1`` and ``y_2`` are
   independent: ``E<g_1, g_2> = E_types <E[g_1 | types], E[g_2 | types]>``. The cost is
-  ``n · C(K+G−2, G−1)`` instead of ``C(n+G−1, G)`` for ``n`` responses and ``K`` types;
+  ``n · C(K+G−2, G−1)`` instead of ``C(n+G−1, G)`` for ``n`` responses and ``K`` types
+  (:mod:`~tokenmdp.exact.exchangeability`);
 * ``"exact"``: the cheaper of the two; ``"monte_carlo"``: sampled batches with standard errors;
   ``"auto"``: exact when at most ``max_exact_draws`` batches are needed and they fit the memory
   budget (:mod:`~tokenmdp.exact.budget`), else Monte Carlo; ``Moments.method`` says which ran.
+
+The result, :class:`Moments`, and its exact and Monte Carlo builders are in
+:mod:`~tokenmdp.exact.moments_result`; both modules' public names are re-exported here.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from tokenmdp.estimators import Estimator, counted_mask
+from tokenmdp.estimators import Estimator
 from tokenmdp.exact import budget
+from tokenmdp.exact.exchangeability import _by_exchangeability, _type_keys, exchangeability_cost
 from tokenmdp.exact.ground_truth import gradient, sequence_probs
-from tokenmdp.exact.group_draws import (
-    count_draws,
-    exact_draws,
-    exchangeable_types,
-    multisets,
-    sampled_draws,
-)
+from tokenmdp.exact.group_draws import count_draws, exact_draws, sampled_draws
 from tokenmdp.exact.mdp import TokenMDP
+from tokenmdp.exact.moments_result import Moments, _exact_moments, _monte_carlo_moments
 from tokenmdp.exact.policies import check_policy
 from tokenmdp.exact.step_gradients import StepGradients
 
@@ -57,165 +54,6 @@ BYTES_PER_DRAWN_RESPONSE = 32
 #: The full covariance matrix is kept when the policy has at most this many parameters.
 MAX_COVARIANCE_DIM = 512
 METHODS = ("auto", "exact", "enumeration", "exchangeability", "monte_carlo")
-
-
-@dataclass(frozen=True)
-class Moments:
-    """The first two moments of an estimator's gradient ``ĝ`` against the true ``∇J``."""
-
-    mean: torch.Tensor
-    """``E[ĝ]``, flat in ``policy.parameters()`` order (an estimate of the ascent direction)."""
-    true_gradient: torch.Tensor
-    """``∇J`` at the same parameters."""
-    total_variance: float
-    """``tr Cov[ĝ] = E‖ĝ − E ĝ‖²``."""
-    covariance: torch.Tensor | None
-    """``Cov[ĝ]`` when the policy has at most ``MAX_COVARIANCE_DIM`` parameters."""
-    method: str
-    """``"enumeration"``, ``"exchangeability"`` or ``"monte_carlo"``."""
-    num_draws: int
-    """Batches enumerated (exact) or sampled (Monte Carlo)."""
-    mean_se: torch.Tensor | None = None
-    """Monte Carlo: standard error of each coordinate of ``mean``."""
-    total_variance_se: float | None = None
-    """Monte Carlo: standard error of ``total_variance``."""
-    mse_se: float | None = None
-    """Monte Carlo: standard error of ``mse``."""
-    relative_bias_se: float | None = None
-    """Monte Carlo: standard error of ``relative_bias`` (delta method)."""
-    cosine_se: float | None = None
-    """Monte Carlo: standard error of ``cosine`` (delta method)."""
-    keep_probability: float = 1.0
-    """With ``filter_groups``: the probability that a drawn group is kept."""
-
-    @property
-    def bias(self) -> torch.Tensor:
-        """``E[ĝ] − ∇J``."""
-        return self.mean - self.true_gradient
-
-    @property
-    def relative_bias(self) -> float:
-        """``‖E[ĝ] − ∇J‖ / ‖∇J‖``."""
-        return float(self.bias.norm() / self.true_gradient.norm())
-
-    @property
-    def cosine(self) -> float:
-        """Cosine between ``E[ĝ]`` and ``∇J``."""
-        return float(self.mean @ self.true_gradient
-                     / (self.mean.norm() * self.true_gradient.norm()).clamp(min=1e-300))
-
-    @property
-    def scale(self) -> float:
-        """The best positive rescaling ``c* = max(0, <E ĝ, ∇J> / ‖E ĝ‖²)``."""
-        denom = float(self.mean @ self.mean)
-        return max(0.0, float(self.mean @ self.true_gradient) / denom) if denom > 0 else 0.0
-
-    @property
-    def directional_bias(self) -> float:
-        """``‖c* E[ĝ] − ∇J‖ / ‖∇J‖``: the bias left after the best positive rescaling
-        (``sqrt(1 − cos²)`` when the cosine is positive, 1 otherwise)."""
-        return float((self.scale * self.mean - self.true_gradient).norm()
-                     / self.true_gradient.norm())
-
-    @property
-    def mse(self) -> float:
-        """``E‖ĝ − ∇J‖² = tr Cov + ‖bias‖²``."""
-        return self.total_variance + float(self.bias @ self.bias)
-
-    def summary(self) -> dict[str, float]:
-        """The scalar figures as a dict (for tables, CSV and JSON)."""
-        out = {"relative_bias": self.relative_bias, "cosine": self.cosine,
-               "directional_bias": self.directional_bias, "scale": self.scale,
-               "total_variance": self.total_variance, "mse": self.mse,
-               "mean_norm": float(self.mean.norm()),
-               "true_gradient_norm": float(self.true_gradient.norm()),
-               "num_draws": self.num_draws}
-        for name in ("relative_bias_se", "cosine_se", "total_variance_se", "mse_se"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
-        return out
-
-
-def _type_keys(steps: StepGradients) -> torch.Tensor:
-    """``[N, 2]``: (effective reward, counted tokens) of every response: all that another sample
-    contributes to a sample's own gradient term (group statistics and normalizers)."""
-    est = steps.estimator
-    batch = steps.enum.replace(**steps.fields)
-    reward = batch.reward
-    if est.kl is not None and est.kl.in_reward:
-        reward = reward - est.kl.reward_penalty(batch)
-    counted = batch.sequence_sum(counted_mask(batch, est).to(torch.float64))
-    return torch.stack([reward, counted], dim=1)
-
-
-def exchangeability_cost(mdp: TokenMDP, type_key_N: torch.Tensor, probs_N: torch.Tensor,
-                         group_size: int) -> int:
-    """Batches the exchangeability method evaluates: ``Σ_x n_x C(K_x + G − 2, G − 1)``."""
-    total = 0
-    per_prompt = probs_N.view(mdp.num_prompts, -1)
-    for x, (_, p, _) in enumerate(exchangeable_types(type_key_N, mdp, probs_N)):
-        n_x = int((per_prompt[x] > 0).sum())
-        total += n_x * math.comb(p.numel() + group_size - 2, group_size - 1)
-    return total
-
-
-def _by_exchangeability(steps: StepGradients, mdp: TokenMDP, probs_N: torch.Tensor, G: int,
-                        keep_cov: bool):
-    """``(E[ĝ], E‖ĝ‖², E[ĝ ĝ^T] or None, batches evaluated)`` by exchangeability (see module)."""
-    d = steps.num_params
-    n = mdp.responses_per_prompt
-    mean = torch.zeros(d, dtype=torch.float64)
-    second = torch.zeros((), dtype=torch.float64)
-    outer = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
-    evaluated = 0
-    for x, (type_of, p_type, rep) in enumerate(exchangeable_types(_type_keys(steps), mdp,
-                                                                    probs_N)):
-        K = p_type.numel()
-        others, p_others = multisets(K, G - 1, p_type)                 # [Mo, G-1], [Mo]
-        Mo = others.shape[0]
-        q = probs_N[x * n:(x + 1) * n]
-        resp = (q > 0).nonzero(as_tuple=True)[0]
-        ids = torch.cat([(x * n + resp).repeat_interleave(Mo)[:, None],
-                         rep[others].repeat(resp.numel(), 1)], dim=1)   # [steps, G]
-        q_step = q[resp].repeat_interleave(Mo)
-        w = q_step * p_others.repeat(resp.numel())                      # P(y_1) P(others)
-        slot = type_of[resp].repeat_interleave(Mo) * Mo + torch.arange(Mo).repeat(resp.numel())
-        # A[τ, m] = Σ_{y_1 of type τ} μ(y_1) g_1(y_1; m), accumulated in coefficient space
-        A_C = torch.zeros(K * Mo, steps.num_pairs, dtype=torch.float64)
-        sq1 = torch.zeros((), dtype=torch.float64)
-        S1 = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
-        for sl, (draw, pair, coef) in steps.sparse_blocks(ids, first_only=True):
-            n_sl = int(w[sl].numel())
-            sq1 += w[sl] @ steps.sq_norms(draw, pair, coef, n_sl, one_path=True)
-            A_C.index_put_((slot[sl][draw], pair), coef * q_step[sl][draw], accumulate=True)
-            if keep_cov:
-                g = steps.to_params(steps.dense(draw, pair, coef, n_sl))
-                S1 += (g * w[sl, None]).T @ g
-        A = steps.to_params(A_C)
-        evaluated += ids.shape[0]
-        A = A.view(K, Mo, d)
-        mean_x = G * torch.einsum("m,kmd->d", p_others, A)
-        # cross term: types τ1, τ2 of samples 1, 2 and the multiset m' of the other G-2;
-        # sample 1 sees others o1 = m' + {τ2}, sample 2 sees o2 = m' + {τ1}; the type
-        # probabilities of τ1, τ2 cancel against the normalization of A.
-        rest, p_rest = multisets(K, G - 2, p_type)
-        index = {tuple(row): i for i, row in enumerate(others.tolist())}
-        t1, t2, r = torch.meshgrid(torch.arange(K), torch.arange(K), torch.arange(rest.shape[0]),
-                                   indexing="ij")
-        t1, t2, r = t1.reshape(-1), t2.reshape(-1), r.reshape(-1)
-        o1 = torch.tensor([index[tuple(sorted(rest[ri].tolist() + [b]))]
-                           for ri, b in zip(r.tolist(), t2.tolist())], dtype=torch.long)
-        o2 = torch.tensor([index[tuple(sorted(rest[ri].tolist() + [a]))]
-                           for ri, a in zip(r.tolist(), t1.tolist())], dtype=torch.long)
-        a1, a2, pr = A[t1, o1], A[t2, o2], p_rest[r]
-        cross = (pr * (a1 * a2).sum(1)).sum()
-        D = float(mdp.prompt_probs[x])
-        mean += D * mean_x
-        second += D * (G * sq1 + G * (G - 1) * cross)
-        if keep_cov:
-            cross_outer = (a1 * pr[:, None]).T @ a2
-            outer += D * (G * S1 + G * (G - 1) * 0.5 * (cross_outer + cross_outer.T))
-    return mean, second, outer, evaluated
 
 
 def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_size: int,
@@ -384,38 +222,3 @@ def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_
                         f"{prompts_per_batch}, {mdp.responses_per_prompt} responses per prompt",
                         costs[best], "batches", need, memory_budget=memory_budget)
     return best
-
-
-def _exact_moments(mean, second, outer, true_grad, evaluated, p_keep, method) -> Moments:
-    total_var = float(second - mean @ mean)
-    cov = (outer - torch.outer(mean, mean)) if outer is not None else None
-    return Moments(mean=mean, true_gradient=true_grad, total_variance=max(total_var, 0.0),
-                   covariance=cov, method=method, num_draws=evaluated, keep_probability=p_keep)
-
-
-def _monte_carlo_moments(g: torch.Tensor, true_grad: torch.Tensor, keep_cov: bool,
-                         p_keep: float) -> Moments:
-    """Sample mean, unbiased sample covariance and standard errors from per-batch gradients."""
-    N = g.shape[0]
-    mean = g.mean(0)
-    centered = g - mean
-    sq = (centered * centered).sum(1)                       # ‖ĝ − ḡ‖²
-    total_var = float(sq.sum() / (N - 1))
-    cov = centered.T @ centered / (N - 1) if keep_cov else None
-    err = ((g - true_grad) ** 2).sum(1)                     # ‖ĝ − ∇J‖²
-    bias = mean - true_grad
-    gn = true_grad.norm()
-    # delta method: SE of f(mean) = sqrt(∇f^T Cov ∇f / N)
-    def delta_se(direction: torch.Tensor) -> float:
-        return float(((centered @ direction) ** 2).sum() / (N - 1) / N) ** 0.5
-    b_norm = bias.norm()
-    rel_se = delta_se(bias / b_norm) / float(gn) if b_norm > 0 else 0.0
-    m_norm = mean.norm()
-    cos = mean @ true_grad / (m_norm * gn)
-    cos_dir = (true_grad / gn - cos * mean / m_norm) / m_norm
-    return Moments(mean=mean, true_gradient=true_grad, total_variance=total_var, covariance=cov,
-                   method="monte_carlo", num_draws=N,
-                   mean_se=centered.std(0, unbiased=True) / N ** 0.5 if N > 1 else None,
-                   total_variance_se=float(sq.std() / N ** 0.5),
-                   mse_se=float(err.std() / N ** 0.5),
-                   relative_bias_se=rel_se, cosine_se=delta_se(cos_dir), keep_probability=p_keep)
