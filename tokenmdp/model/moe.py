@@ -49,6 +49,20 @@ def load_balancing_loss(scores_NE: torch.Tensor, chosen_NK: torch.Tensor,
 
     ``f_e`` is the fraction of (token, slot) assignments to expert ``e`` (no gradient) and
     ``P_e`` the mean router probability ``softmax(s)_e``; the loss is 1 under uniform routing.
+
+    Parameters
+    ----------
+    scores_NE : Tensor ``[N, E]``
+        Router scores of each token (before the softmax).
+    chosen_NK : LongTensor ``[N, K]``
+        The experts each token was assigned to.
+    valid_N : BoolTensor ``[N]``
+        Real tokens; the others count neither in ``f_e`` nor in ``P_e``.
+
+    Returns
+    -------
+    Tensor ``[]``
+        The loss (float32 for half-precision scores, else their dtype; 0 without valid tokens).
     """
     E = scores_NE.shape[-1]
     K = chosen_NK.shape[-1]
@@ -65,7 +79,19 @@ def load_balancing_loss(scores_NE: torch.Tensor, chosen_NK: torch.Tensor,
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP ``W_down (silu(x W_gate) * x W_up)`` (the ``dense`` option)."""
+    """SwiGLU MLP ``W_down (silu(x W_gate) * x W_up)`` (the ``dense`` option).
+
+    Parameters
+    ----------
+    d_model, hidden : int
+        Width ``D`` and hidden width.
+    std : float
+        Initialisation standard deviation.
+    generator : torch.Generator
+        Source of the initial weights.
+    device, dtype
+        Where and in which dtype the weights live (default: the CPU, float32).
+    """
 
     def __init__(self, d_model: int, hidden: int, *, std: float, generator: torch.Generator,
                  device=None, dtype: torch.dtype = torch.float32) -> None:
@@ -75,6 +101,18 @@ class DenseMLP(nn.Module):
         self.w_down = _normal((hidden, d_model), std, generator, device, dtype)
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to each token.
+
+        Parameters
+        ----------
+        x_ND : Tensor ``[N, D]``
+            The tokens' (normalized) hidden states.
+
+        Returns
+        -------
+        Tensor ``[N, D]``
+            The MLP's output, added to the residual stream by the block.
+        """
         return (F.silu(x_ND @ self.w_gate) * (x_ND @ self.w_up)) @ self.w_down
 
 
@@ -111,6 +149,7 @@ class MoE(nn.Module):
 
     @property
     def n_experts(self) -> int:
+        """Number of experts ``E``."""
         return self.router.shape[1]
 
     def forward(self, x_ND: torch.Tensor, *, valid_N: torch.Tensor,
@@ -125,6 +164,7 @@ class MoE(nn.Module):
         Parameters
         ----------
         x_ND : Tensor ``[N, D]``
+            The tokens' (normalized) hidden states, rows flattened.
         valid_N : BoolTensor ``[N]``
             Real tokens (the load-balancing loss counts only these).
         replay_NK : LongTensor ``[N, K]``, optional
@@ -136,6 +176,7 @@ class MoE(nn.Module):
         Returns
         -------
         y_ND : Tensor ``[N, D]``
+            The gated mixture of the chosen experts' outputs.
         chosen_NK : LongTensor ``[N, K]``
             The experts used (the routing record of this layer).
         aux : Tensor ``[]``

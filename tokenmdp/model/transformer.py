@@ -48,7 +48,7 @@ SIGNED_INTS = (torch.int64, torch.int32, torch.int16, torch.int8)
 class RoutingTrace:
     """Expert ids used by every token in every routed layer.
 
-    Attributes
+    Parameters
     ----------
     experts : LongTensor ``[R, C, L, K]``
         Expert ids, aligned with the batch's tokens; ``-1`` where a token has no record (padding,
@@ -74,7 +74,19 @@ class RoutingTrace:
 @dataclasses.dataclass(frozen=True)
 class ModelOutput:
     """``logits_RCV`` (output at each column, predicting the *next* token), the routing used
-    (``experts_RCLK``) and the summed load-balancing loss of the routed layers."""
+    (``experts_RCLK``) and the summed load-balancing loss of the routed layers.
+
+    Parameters
+    ----------
+    logits_RCV : Tensor ``[R, C, V]``
+        Unnormalized scores of the next token at every column (padding included).
+    experts_RCLK : LongTensor ``[R, C, L, K]``
+        The experts each token was routed to in each routed layer (``L = 0`` for a dense model;
+        ``-1`` on padding once :meth:`MoETransformer.forward` returns it).
+    load_balancing_loss : Tensor ``[]``
+        The load-balancing loss summed over the routed layers (float32 for half-precision
+        weights, else their dtype; 0 when not computed).
+    """
 
     logits_RCV: torch.Tensor
     experts_RCLK: torch.Tensor
@@ -85,7 +97,7 @@ class ModelOutput:
 class TokenOutputs:
     """Per-token outputs of one forward pass (:meth:`MoETransformer.token_outputs`).
 
-    Attributes
+    Parameters
     ----------
     logprob_RC : Tensor ``[R, C]``
         ``log pi(y_t | x, y_<t)`` of each response token, 0 elsewhere.
@@ -94,7 +106,7 @@ class TokenOutputs:
     load_balancing_loss : Tensor ``[]``
         The load-balancing loss summed over the routed layers (float32 for half-precision
         weights, else their dtype; 0 for a dense model).
-    entropy_RC : Tensor ``[R, C]`` or None
+    entropy_RC : Tensor ``[R, C]`` or None, default None
         The entropy of each response token's next-token distribution (when asked), 0 elsewhere.
     """
 
@@ -106,7 +118,21 @@ class TokenOutputs:
 
 class KVCache:
     """Keys and values of one sequence per row, ``[R, h, T, d]`` per layer, for incremental
-    decoding: the token at column ``t`` of a row is stored at cache column ``t``."""
+    decoding: the token at column ``t`` of a row is stored at cache column ``t``.
+
+    Parameters
+    ----------
+    config : ModelConfig
+        The model's shape (layers, heads, head size).
+    rows : int
+        Sequences decoded at once, ``R``.
+    capacity : int
+        Cache columns ``T`` per row: the longest prompt plus response it can hold.
+    device : torch.device or str, optional
+        Where the zero-initialized keys and values live.
+    dtype : torch.dtype, default torch.float32
+        Their dtype (that of the model's activations).
+    """
 
     def __init__(self, config: ModelConfig, rows: int, capacity: int, *, device=None,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -116,13 +142,25 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
+        """Cache columns ``T`` per row."""
         return self.k[0].shape[2]
 
 
 def sequence_attention_mask(sequence_id_RC: torch.Tensor) -> torch.Tensor:
     """Bool ``[R, 1, C, C]``: query ``q`` sees key ``k`` iff both belong to the same sequence and
     ``k <= q`` (sequences are contiguous, so column order is position order). Padding queries see
-    only themselves, so no row of the mask is empty."""
+    only themselves, so no row of the mask is empty.
+
+    Parameters
+    ----------
+    sequence_id_RC : LongTensor ``[R, C]``
+        The batch's ``sequence_id`` (``-1`` on padding).
+
+    Returns
+    -------
+    BoolTensor ``[R, 1, C, C]``
+        The mask, broadcast over heads (``attn_mask`` of ``scaled_dot_product_attention``).
+    """
     C = sequence_id_RC.shape[1]
     col = torch.arange(C, device=sequence_id_RC.device)
     same_RCC = (sequence_id_RC[:, :, None] == sequence_id_RC[:, None, :]) & (sequence_id_RC >= 0)[:, :, None]
@@ -270,6 +308,30 @@ class MoETransformer(nn.Module):
         ``aux=False`` skips the load-balancing loss (returned as 0; the rollout engine's case).
         Nothing is validated here (no host sync for checks in a decoding step): callers check
         their inputs.
+
+        Parameters
+        ----------
+        tokens_RC : LongTensor ``[R, C]``
+            Token ids (any id ``< V`` on padding).
+        position_RC : LongTensor ``[R, C]``
+            Position of each token in its sequence (the RoPE angle).
+        mask_R1CT : BoolTensor ``[R, 1, C, T]`` or BlockMask
+            Which keys each query sees (a FlexAttention ``BlockMask`` for flex attention).
+        valid_RC : BoolTensor ``[R, C]``
+            Real tokens (the MoE routes and balances only them).
+        routing_RCLK : LongTensor ``[R, C, L, K]``, optional
+            Experts to replay (``-1``: routed by the model).
+        cache : KVCache, optional
+            Keys and values of earlier columns; this call's are written into it.
+        cache_cols_RC : LongTensor ``[R, C]``, optional
+            Cache column of each token (with ``cache``).
+        aux : bool, default True
+            Compute the load-balancing loss.
+
+        Returns
+        -------
+        ModelOutput
+            Logits, the experts used (padding not yet set to ``-1``) and the load-balancing loss.
         """
         cfg = self.config
         x = self.embed[tokens_RC]                                              # (R, C, D)
@@ -292,7 +354,23 @@ class MoETransformer(nn.Module):
     def forward(self, batch: TokenBatch, *, routing: RoutingTrace | torch.Tensor | None = None,
                 aux: bool = True) -> ModelOutput:
         """Logits at every column of ``batch`` (each predicting the next token of its sequence),
-        the routing used and (unless ``aux=False``) the load-balancing loss."""
+        the routing used and (unless ``aux=False``) the load-balancing loss.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            Any layout; token ids must be ``< V``.
+        routing : RoutingTrace or LongTensor ``[R, C, L, K]``, optional
+            Experts to replay (as in :meth:`token_logprobs`); padding is never replayed.
+        aux : bool, default True
+            Compute the load-balancing loss (0 otherwise).
+
+        Returns
+        -------
+        ModelOutput
+            Logits ``[R, C, V]``, the experts used (``-1`` on padding) and the load-balancing
+            loss.
+        """
         if not isinstance(batch, TokenBatch):
             raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
         routing_RCLK = None
@@ -360,12 +438,19 @@ class MoETransformer(nn.Module):
         Parameters
         ----------
         batch : TokenBatch
+            Any layout; every loss token needs a prompt token before it.
         routing : RoutingTrace or LongTensor ``[R, C, L, K]``, optional
             Experts to replay: each (token, layer) record holds ``K`` distinct ids in
             ``[0, E)``, or is all ``-1`` (that token is routed by the model); anything else is a
             ``ValueError``.
         record_routing : bool
             Also return the routing used.
+
+        Returns
+        -------
+        Tensor ``[R, C]`` or (Tensor ``[R, C]``, RoutingTrace)
+            The log-probs (float32 for half-precision weights), with ``record_routing`` also the
+            routing used.
         """
         out = self.token_outputs(batch, routing, aux=False)
         return (out.logprob_RC, out.routing) if record_routing else out.logprob_RC
@@ -378,6 +463,22 @@ class MoETransformer(nn.Module):
         ``entropy``, the entropy ``H_t = -sum_v pi(v | x, y_<t) log pi(v | x, y_<t)`` of the
         distribution each response token was drawn from (terms with ``pi(v) = 0`` count 0).
         ``aux=False`` skips the load-balancing loss (0), for passes that do not train.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            Any layout; every loss token needs a prompt token before it.
+        routing : RoutingTrace or LongTensor ``[R, C, L, K]``, optional
+            Experts to replay (as in :meth:`token_logprobs`).
+        entropy : bool, default False
+            Also compute the per-token entropy.
+        aux : bool, default True
+            Compute the load-balancing loss.
+
+        Returns
+        -------
+        TokenOutputs
+            Log-probs, routing, load-balancing loss and (with ``entropy``) entropy.
         """
         lp_RCV, out = self._predicting_logprobs(batch, routing, aux)
         lp_RC = lp_RCV.gather(-1, batch.tokens[..., None]).squeeze(-1) * batch.response_mask
@@ -390,6 +491,19 @@ class MoETransformer(nn.Module):
 
     def next_token_logprobs(self, batch: TokenBatch,
                             routing: RoutingTrace | torch.Tensor | None = None) -> torch.Tensor:
-        """``[R, C, V]``: the distribution each response token was drawn from, 0 elsewhere."""
+        """``[R, C, V]``: the distribution each response token was drawn from, 0 elsewhere.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            Any layout; every loss token needs a prompt token before it.
+        routing : RoutingTrace or LongTensor ``[R, C, L, K]``, optional
+            Experts to replay (as in :meth:`token_logprobs`).
+
+        Returns
+        -------
+        Tensor ``[R, C, V]``
+            ``log pi(v | x, y_<t)`` for every vocabulary token ``v`` at each response token.
+        """
         lp_RCV, _ = self._predicting_logprobs(batch, routing)
         return lp_RCV * batch.response_mask[..., None]
