@@ -16,6 +16,9 @@ so the children of code ``c`` are ``c * b + a``. Global state ids run level by l
 ``state = level_offset[k] + p * b**k + code``. Terminals (full responses) are ordered prompt-major,
 then by level (EOS after 0, 1, ..., L-1 tokens, then the truncated ones), then by code; this is
 the order of :meth:`TokenMDP.enumerate` and of every per-sequence tensor in :mod:`tokenmdp.exact`.
+
+The batch-side methods (:meth:`TokenMDP.make_batch`, :meth:`TokenMDP.check_batch`,
+:meth:`TokenMDP.token_state_index`) are implemented in ``tokenmdp.exact._mdp_batches``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from tokenmdp.batch import TokenBatch
+from tokenmdp.exact import _mdp_batches
 from tokenmdp.exact.budget import check_budget
 
 __all__ = ["TokenMDP"]
@@ -304,35 +308,8 @@ class TokenMDP:
             ``reward`` is ``R(x, y)`` looked up in the reward table; advantage and loss weight 1
             on response tokens.
         """
-        plen = torch.tensor([len(p) for p in self.prompts], dtype=torch.long)
-        max_plen = int(plen.max())
-        n = prompt_index.shape[0]
-        cap = max_plen + self.max_len
-        prompt_tok = torch.zeros(self.num_prompts, max_plen, dtype=torch.long)
-        for i, p in enumerate(self.prompts):
-            prompt_tok[i, :len(p)] = torch.tensor(p)
-        my_plen = plen[prompt_index]                          # [N]
-        total = my_plen + lengths                             # [N]
-        col = torch.arange(cap)[None, :]                      # [1, C]
-        in_prompt = col < my_plen[:, None]
-        in_resp = (col >= my_plen[:, None]) & (col < total[:, None])
-        tokens = torch.zeros(n, cap, dtype=torch.long)
-        tokens[:, :max_plen] = torch.where(in_prompt[:, :max_plen], prompt_tok[prompt_index], 0)
-        rcol = (col - my_plen[:, None]).clamp(0, self.max_len - 1).expand(n, cap)
-        tokens = torch.where(in_resp, responses[:, :self.max_len].gather(1, rcol), tokens)
-        real = col < total[:, None]
-        sequence_id = torch.where(real, torch.arange(n)[:, None], -1)
-        position = torch.where(real, col, 0)
-        ones = in_resp.to(torch.float64)
-        behavior = None
-        if behavior_logprob is not None:
-            behavior = torch.where(in_resp, behavior_logprob.gather(1, rcol), 0.0)
-        reward = self.rewards[self.terminal_index(prompt_index, responses, lengths)]
-        return TokenBatch(tokens=tokens, sequence_id=sequence_id, position=position,
-                          loss_mask=in_resp, advantage=ones, loss_weight=ones.clone(),
-                          reward=reward, group=(prompt_index if group is None else group).clone(),
-                          length=lengths.clone(), prompt_index=prompt_index.clone(),
-                          behavior_logprob=behavior)
+        return _mdp_batches.make_batch(self, prompt_index, responses, lengths,
+                                       behavior_logprob=behavior_logprob, group=group)
 
     def enumerate(self) -> TokenBatch:
         """Every (prompt, response) exactly once, one sequence per row, in canonical order.
@@ -345,15 +322,7 @@ class TokenMDP:
 
     def token_state_index(self, batch: TokenBatch) -> torch.Tensor:
         """Long ``[R, C]``: the global id of the state each response token was drawn in, -1 elsewhere."""
-        self.check_batch(batch)
-        rpos = batch.response_position
-        pidx_RC = batch.to_tokens(batch.prompt_index)
-        out = torch.full_like(rpos, -1)
-        for t in range(self.max_len):  # loop over depths, never over sequences
-            rows, cols = (rpos == t).nonzero(as_tuple=True)
-            prefix = batch.tokens[rows[:, None], cols[:, None] - t + torch.arange(t)]
-            out[rows, cols] = self.state_index(pidx_RC[rows, cols], prefix)
-        return out
+        return _mdp_batches.token_state_index(self, batch)
 
     # ------------------------------------------------------------------ membership
     def check_batch(self, batch: TokenBatch, *, name: str = "batch") -> None:
@@ -367,34 +336,7 @@ class TokenMDP:
         ValueError
             If a sequence is not a (prompt, response) of this MDP.
         """
-        if not isinstance(batch, TokenBatch):
-            raise TypeError(f"{name}: expected a TokenBatch, got {type(batch).__name__}")
-        if batch.dtype != torch.float64:
-            raise TypeError(f"{name}: float fields are {batch.dtype}; the exact code needs "
-                            "float64 (use batch.to(dtype=torch.float64))")
-        if batch.num_sequences == 0:
-            return
-        if int(batch.prompt_index.max()) >= self.num_prompts:
-            raise ValueError(f"{name}: prompt_index out of range for an MDP with "
-                             f"{self.num_prompts} prompts")
-        if int(batch.length.max()) > self.max_len:
-            raise ValueError(f"{name}: a response is longer than max_len={self.max_len}")
-        if int(batch.tokens.max()) >= self.vocab_size:
-            raise ValueError(f"{name}: token ids outside the vocabulary [0, {self.vocab_size})")
-        rpos = batch.response_position
-        last = batch.to_tokens(batch.length - 1)
-        inner = (rpos >= 0) & (rpos < last)
-        if bool((batch.tokens[inner] == self.eos).any()):
-            raise ValueError(f"{name}: EOS inside a response (responses end at EOS)")
-        short = batch.to_tokens((batch.length < self.max_len).long()).bool()
-        final = (rpos >= 0) & (rpos == last)
-        if bool((batch.tokens[final & short] != self.eos).any()):
-            raise ValueError(f"{name}: a response shorter than max_len does not end with EOS")
-        plen = torch.tensor([len(p) for p in self.prompts], dtype=torch.long,
-                            device=batch.device)
-        expected = plen[batch.prompt_index] + batch.length
-        if bool((batch.sequence_lengths_total() != expected).any()):
-            raise ValueError(f"{name}: prompt lengths do not match the MDP's prompts")
+        _mdp_batches.check_batch(self, batch, name=name)
 
     def __repr__(self) -> str:
         return (f"TokenMDP(vocab_size={self.vocab_size}, max_len={self.max_len}, "

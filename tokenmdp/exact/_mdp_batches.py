@@ -1,0 +1,100 @@
+"""Batches of a :class:`~tokenmdp.exact.TokenMDP`'s sequences (not part of the public API).
+
+The bodies of three :class:`~tokenmdp.exact.TokenMDP` methods that turn the MDP's indexing into
+:class:`~tokenmdp.batch.TokenBatch` terms: :meth:`~tokenmdp.exact.TokenMDP.make_batch` (a padded
+batch of responses, rewards looked up in the reward table), :meth:`~tokenmdp.exact.TokenMDP.check_batch`
+(is a batch made of this MDP's (prompt, response) pairs, in float64) and
+:meth:`~tokenmdp.exact.TokenMDP.token_state_index` (the state each response token was drawn
+in). The methods, documented there, call these.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmdp.batch import TokenBatch
+
+if TYPE_CHECKING:
+    from tokenmdp.exact.mdp import TokenMDP
+
+
+def make_batch(mdp: TokenMDP, prompt_index: torch.Tensor, responses: torch.Tensor,
+               lengths: torch.Tensor, *, behavior_logprob: torch.Tensor | None = None,
+               group: torch.Tensor | None = None) -> TokenBatch:
+    """See :meth:`TokenMDP.make_batch <tokenmdp.exact.TokenMDP.make_batch>`."""
+    plen = torch.tensor([len(p) for p in mdp.prompts], dtype=torch.long)
+    max_plen = int(plen.max())
+    n = prompt_index.shape[0]
+    cap = max_plen + mdp.max_len
+    prompt_tok = torch.zeros(mdp.num_prompts, max_plen, dtype=torch.long)
+    for i, p in enumerate(mdp.prompts):
+        prompt_tok[i, :len(p)] = torch.tensor(p)
+    my_plen = plen[prompt_index]                          # [N]
+    total = my_plen + lengths                             # [N]
+    col = torch.arange(cap)[None, :]                      # [1, C]
+    in_prompt = col < my_plen[:, None]
+    in_resp = (col >= my_plen[:, None]) & (col < total[:, None])
+    tokens = torch.zeros(n, cap, dtype=torch.long)
+    tokens[:, :max_plen] = torch.where(in_prompt[:, :max_plen], prompt_tok[prompt_index], 0)
+    rcol = (col - my_plen[:, None]).clamp(0, mdp.max_len - 1).expand(n, cap)
+    tokens = torch.where(in_resp, responses[:, :mdp.max_len].gather(1, rcol), tokens)
+    real = col < total[:, None]
+    sequence_id = torch.where(real, torch.arange(n)[:, None], -1)
+    position = torch.where(real, col, 0)
+    ones = in_resp.to(torch.float64)
+    behavior = None
+    if behavior_logprob is not None:
+        behavior = torch.where(in_resp, behavior_logprob.gather(1, rcol), 0.0)
+    reward = mdp.rewards[mdp.terminal_index(prompt_index, responses, lengths)]
+    return TokenBatch(tokens=tokens, sequence_id=sequence_id, position=position,
+                      loss_mask=in_resp, advantage=ones, loss_weight=ones.clone(),
+                      reward=reward, group=(prompt_index if group is None else group).clone(),
+                      length=lengths.clone(), prompt_index=prompt_index.clone(),
+                      behavior_logprob=behavior)
+
+
+def token_state_index(mdp: TokenMDP, batch: TokenBatch) -> torch.Tensor:
+    """See :meth:`TokenMDP.token_state_index <tokenmdp.exact.TokenMDP.token_state_index>`."""
+    mdp.check_batch(batch)
+    rpos = batch.response_position
+    pidx_RC = batch.to_tokens(batch.prompt_index)
+    out = torch.full_like(rpos, -1)
+    for t in range(mdp.max_len):  # loop over depths, never over sequences
+        rows, cols = (rpos == t).nonzero(as_tuple=True)
+        prefix = batch.tokens[rows[:, None], cols[:, None] - t + torch.arange(t)]
+        out[rows, cols] = mdp.state_index(pidx_RC[rows, cols], prefix)
+    return out
+
+
+def check_batch(mdp: TokenMDP, batch: TokenBatch, *, name: str = "batch") -> None:
+    """See :meth:`TokenMDP.check_batch <tokenmdp.exact.TokenMDP.check_batch>`."""
+    if not isinstance(batch, TokenBatch):
+        raise TypeError(f"{name}: expected a TokenBatch, got {type(batch).__name__}")
+    if batch.dtype != torch.float64:
+        raise TypeError(f"{name}: float fields are {batch.dtype}; the exact code needs "
+                        "float64 (use batch.to(dtype=torch.float64))")
+    if batch.num_sequences == 0:
+        return
+    if int(batch.prompt_index.max()) >= mdp.num_prompts:
+        raise ValueError(f"{name}: prompt_index out of range for an MDP with "
+                         f"{mdp.num_prompts} prompts")
+    if int(batch.length.max()) > mdp.max_len:
+        raise ValueError(f"{name}: a response is longer than max_len={mdp.max_len}")
+    if int(batch.tokens.max()) >= mdp.vocab_size:
+        raise ValueError(f"{name}: token ids outside the vocabulary [0, {mdp.vocab_size})")
+    rpos = batch.response_position
+    last = batch.to_tokens(batch.length - 1)
+    inner = (rpos >= 0) & (rpos < last)
+    if bool((batch.tokens[inner] == mdp.eos).any()):
+        raise ValueError(f"{name}: EOS inside a response (responses end at EOS)")
+    short = batch.to_tokens((batch.length < mdp.max_len).long()).bool()
+    final = (rpos >= 0) & (rpos == last)
+    if bool((batch.tokens[final & short] != mdp.eos).any()):
+        raise ValueError(f"{name}: a response shorter than max_len does not end with EOS")
+    plen = torch.tensor([len(p) for p in mdp.prompts], dtype=torch.long,
+                        device=batch.device)
+    expected = plen[batch.prompt_index] + batch.length
+    if bool((batch.sequence_lengths_total() != expected).any()):
+        raise ValueError(f"{name}: prompt lengths do not match the MDP's prompts")
