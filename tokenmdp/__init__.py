@@ -11,7 +11,9 @@ Layers, bottom to top (lower layers never import upper ones):
   :mod:`tokenmdp.rl` (the rollout engine with its own numerics, routing replay R2/R3) — the
   trainer world;
 * :mod:`tokenmdp.testing` (hypothesis strategies and invariance checks), :mod:`tokenmdp.plots`
-  and the command line :mod:`tokenmdp.cli`.
+  and the command line :mod:`tokenmdp.cli`;
+* :mod:`tokenmdp.notebook` (the tutorials' helpers) and :mod:`tokenmdp.exercises` (their
+  exercises; ``tokenmdp.check(name, value)``, loaded on first use).
 
 Shape-suffix legend used in tensor names where a shape is not obvious:
 
@@ -25,4 +27,18 @@ Shape-suffix legend used in tensor names where a shape is not obvious:
 from tokenmdp.batch import TokenBatch
 
 __version__ = "0.1.0"
-__all__ = ["TokenBatch", "__version__"]
+__all__ = ["TokenBatch", "__version__", "check"]
+
+
+def __getattr__(name: str):
+    # ``tokenmdp.check`` (the tutorials' exercise checker) is loaded on first use, so that
+    # ``import tokenmdp`` stays light and the lower layers never import the upper ones.
+    if name == "check":
+        from tokenmdp.exercises import check
+
+        return check
+    raise AttributeError(f"module 'tokenmdp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"check"})
