@@ -48,6 +48,13 @@ def _fsync_dir(folder: Path) -> None:
 def save_checkpoint(state: dict, path: str | Path) -> None:
     """Write ``state`` to ``path`` atomically (temporary file, ``fsync``, ``os.replace``).
 
+    Parameters
+    ----------
+    state : dict
+        What ``torch.save`` writes (the trainer's model, optimizer, RNG states, step, ...).
+    path : str or Path
+        The checkpoint file; its folder must exist.
+
     Raises
     ------
     ValueError
@@ -76,6 +83,20 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
 
 def load_checkpoint(path: str | Path, *, option: str, device: torch.device | str = "cpu") -> dict:
     """The trainer checkpoint at ``path``, for ``option`` ("init" or "resume").
+
+    Parameters
+    ----------
+    path : str or Path
+        The checkpoint file.
+    option : {"init", "resume"}
+        What it is read for (the entries it needs, and the name errors start with).
+    device : torch.device or str, default "cpu"
+        Where its tensors are loaded (``map_location``).
+
+    Returns
+    -------
+    dict
+        The saved state, with at least the entries of ``REQUIRED_KEYS[option]``.
 
     Raises
     ------
@@ -107,7 +128,19 @@ def load_checkpoint(path: str | Path, *, option: str, device: torch.device | str
 
 def check_model_config(state: dict, expected: dict, *, option: str, path: str | Path) -> None:
     """Raise ``ValueError`` naming the differing model settings when the checkpoint's model is
-    not of the shape ``expected`` (``dataclasses.asdict`` of the run's ``ModelConfig``)."""
+    not of the shape ``expected`` (``dataclasses.asdict`` of the run's ``ModelConfig``).
+
+    Parameters
+    ----------
+    state : dict
+        A checkpoint of :func:`load_checkpoint` (its ``model_config`` entry is compared).
+    expected : dict
+        The run's model settings.
+    option : str
+        The option the checkpoint was given to (``init`` or ``resume``), named by the error.
+    path : str or Path
+        The checkpoint's path, named by the error.
+    """
     saved = state["model_config"]
     if saved == expected:
         return

@@ -24,7 +24,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_trainer_commands(sub: argparse._SubParsersAction) -> None:
-    """Add ``sft`` (supervised warm start) and ``train`` (RL) to ``tokenmdp``'s sub-parsers."""
+    """Add ``sft`` (supervised warm start) and ``train`` (RL) to ``tokenmdp``'s sub-parsers.
+
+    Parameters
+    ----------
+    sub : argparse._SubParsersAction
+        What ``ArgumentParser.add_subparsers`` returned.
+    """
     p = sub.add_parser("sft", help="supervised fine-tuning on a task's demonstrations",
                        description="SFT: the trainer loop with correct answers and A = 1; "
                                    "its checkpoint starts `tokenmdp train --init`.")
@@ -47,7 +53,13 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def add_plot_command(sub: argparse._SubParsersAction) -> None:
-    """Add ``plot`` (training curves of runs from their ``metrics.jsonl``) to the sub-parsers."""
+    """Add ``plot`` (training curves of runs from their ``metrics.jsonl``) to the sub-parsers.
+
+    Parameters
+    ----------
+    sub : argparse._SubParsersAction
+        What ``ArgumentParser.add_subparsers`` returned.
+    """
     p = sub.add_parser("plot", help="training curves of runs (their metrics.jsonl) as a PNG",
                        description="Plot metrics.jsonl of one or more runs against the step, one "
                                    "panel per metric, one line per run.")

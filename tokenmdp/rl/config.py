@@ -1,18 +1,16 @@
-"""The trainer's configuration: one dataclass, a docstring per field, checked at start.
+"""The trainer's configuration: one dataclass, every field documented, checked at start.
 
 :class:`TrainConfig` configures both loops of :mod:`tokenmdp.rl.trainer` (``mode`` "rl" or
 "sft"); :func:`check_config` rejects a bad configuration before any work with a ``ValueError``
-naming the field; :func:`field_docs` reads the field docstrings (the command line's help text,
+naming the field; :func:`field_docs` reads the fields' descriptions (the command line's help text,
 :mod:`tokenmdp.rl.cli_commands`).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
 import math
-import textwrap
 
 import torch
 
@@ -24,109 +22,172 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything one training run needs; see :func:`tokenmdp.rl.trainer.train`."""
+    """Everything one training run needs; see :func:`tokenmdp.rl.trainer.train`.
+
+    Each parameter's description below is also its option's help text in ``tokenmdp train`` and
+    ``tokenmdp sft`` (read by :func:`field_docs`).
+
+    Parameters
+    ----------
+    mode : str, default "rl"
+        Loop: rl (rollout, reward, estimator updates) or sft (demonstrations, advantage 1).
+    task : str, default "addition"
+        Task name: addition, sorting or count (:mod:`tokenmdp.rl.tasks`).
+    estimator : str, default "dapo"
+        Estimator registry name (``tokenmdp estimators`` lists them); ignored by sft.
+    replay : str, default "none"
+        MoE routing replay of the training passes: none, r2 (old-logprob pass's routing) or r3 (the
+        rollout engine's routing).
+    rollout_precision : str, default "fp32"
+        Numerics of the rollout engine: fp32, bf16, fp16 or fp8 (simulated).
+    minibatches : int, default 1
+        Mini-batch updates per step (N >= 1); each is its own optimizer step, so N > 1 makes updates
+        2..N off-policy.
+    group_size : int, default 4
+        Responses sampled per prompt (G).
+    prompts_per_step : int, default 8
+        Prompts per step (rl: each answered G times; sft: demonstrations per step).
+    max_new_tokens : int, default 6
+        Longest response the engine samples (L_max of the aggregation).
+    temperature : float, default 1.0
+        Sampling temperature of the rollout engine.
+    lr : float, default 1e-3
+        Peak learning rate of AdamW.
+    beta1 : float, default 0.9
+        AdamW beta1.
+    beta2 : float, default 0.99
+        AdamW beta2.
+    weight_decay : float, default 0.0
+        AdamW decoupled weight decay.
+    grad_clip : float, default 1.0
+        Clip the gradient norm to this value before each update (0 disables clipping).
+    warmup_steps : int, default 0
+        Steps of linear learning-rate warm-up (step s uses lr * min(1, (s + 1) / warmup)).
+    kl_coef : float or None, default None
+        KL-in-loss coefficient (k3) to the reference (the initial model); None keeps the estimator's
+        own KL, 0 removes it.
+    load_balancing_coef : float, default 0.0
+        Coefficient of the MoE load-balancing loss added to every update's loss (Switch
+        Transformer's auxiliary loss, Fedus et al. 2021, who use 0.01); 0 leaves it out (it is still
+        logged as ``load_balancing``).
+    steps : int, default 20
+        Number of steps to run (the total, including resumed ones).
+    eval_every : int, default 10
+        Held-out accuracy every this many steps and at the last step (0: only at the last).
+    eval_size : int, default 32
+        Number of held-out evaluation prompts (training never draws them, so changing it also
+        changes which training prompts a seed draws).
+    eval_temperature : float, default 0.01
+        Sampling temperature of the evaluation (near greedy).
+    seed : int, default 0
+        Seed of the model initialization, the training prompts and every sample.
+    eval_seed : int, default 1234
+        Seed of the held-out split (training prompts never come from it).
+    device : str, default "cpu"
+        Device of the model, the engine and every batch.
+    dtype : str, default "float32"
+        Floating-point dtype of the trained model and of the batches: float32 or float64.
+    d_model : int, default 32
+        Model width.
+    n_layers : int, default 2
+        Transformer blocks.
+    n_heads : int, default 2
+        Attention heads.
+    n_experts : int, default 4
+        Experts per MoE layer.
+    top_k : int, default 2
+        Experts per token.
+    expert_hidden : int, default 32
+        Hidden width of each expert (of the dense MLP with ``dense``).
+    dense : bool, default False
+        Dense MLPs instead of experts (no routing; r2 and r3 are rejected).
+    init_std : float, default 0.02
+        Standard deviation of the initial weights.
+    init : str or None, default None
+        Checkpoint whose model weights start the run (e.g. one written by ``tokenmdp sft``).
+    out_dir : str, default "runs/train"
+        Folder of ``metrics.jsonl`` and ``checkpoint.pt``.
+    resume : bool, default False
+        Continue from ``out_dir/checkpoint.pt`` (model, optimizer, RNG states, step); refused when
+        there is no checkpoint there.
+    overwrite : bool, default False
+        Replace the run already in ``out_dir`` (without it, a non-empty ``out_dir`` is refused).
+    checkpoint_every : int, default 1
+        Write the checkpoint every this many steps and at the last (0: only at the last).
+    max_nonfinite : int, default 3
+        Stop after this many updates in a row with a non-finite loss or gradient (each skipped).
+    deterministic : bool, default True
+        Run under ``torch.use_deterministic_algorithms`` (resumed runs then repeat exactly).
+    """
 
     mode: str = "rl"
-    """Loop: rl (rollout, reward, estimator updates) or sft (demonstrations, advantage 1)."""
     task: str = "addition"
-    """Task name: addition, sorting or count (:mod:`tokenmdp.rl.tasks`)."""
     estimator: str = "dapo"
-    """Estimator registry name (``tokenmdp estimators`` lists them); ignored by sft."""
     replay: str = "none"
-    """MoE routing replay of the training passes: none, r2 (old-logprob pass's routing) or r3
-    (the rollout engine's routing)."""
     rollout_precision: str = "fp32"
-    """Numerics of the rollout engine: fp32, bf16, fp16 or fp8 (simulated)."""
     minibatches: int = 1
-    """Mini-batch updates per step (N >= 1); each is its own optimizer step, so N > 1 makes
-    updates 2..N off-policy."""
     group_size: int = 4
-    """Responses sampled per prompt (G)."""
     prompts_per_step: int = 8
-    """Prompts per step (rl: each answered G times; sft: demonstrations per step)."""
     max_new_tokens: int = 6
-    """Longest response the engine samples (L_max of the aggregation)."""
     temperature: float = 1.0
-    """Sampling temperature of the rollout engine."""
     lr: float = 1e-3
-    """Peak learning rate of AdamW."""
     beta1: float = 0.9
-    """AdamW beta1."""
     beta2: float = 0.99
-    """AdamW beta2."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
     grad_clip: float = 1.0
-    """Clip the gradient norm to this value before each update (0 disables clipping)."""
     warmup_steps: int = 0
-    """Steps of linear learning-rate warm-up (step s uses lr * min(1, (s + 1) / warmup))."""
     kl_coef: float | None = None
-    """KL-in-loss coefficient (k3) to the reference (the initial model); None keeps the
-    estimator's own KL, 0 removes it."""
     load_balancing_coef: float = 0.0
-    """Coefficient of the MoE load-balancing loss added to every update's loss (Switch
-    Transformer's auxiliary loss, Fedus et al. 2021, who use 0.01); 0 leaves it out (it is still
-    logged as ``load_balancing``)."""
     steps: int = 20
-    """Number of steps to run (the total, including resumed ones)."""
     eval_every: int = 10
-    """Held-out accuracy every this many steps and at the last step (0: only at the last)."""
     eval_size: int = 32
-    """Number of held-out evaluation prompts (training never draws them, so changing it also
-    changes which training prompts a seed draws)."""
     eval_temperature: float = 0.01
-    """Sampling temperature of the evaluation (near greedy)."""
     seed: int = 0
-    """Seed of the model initialization, the training prompts and every sample."""
     eval_seed: int = 1234
-    """Seed of the held-out split (training prompts never come from it)."""
     device: str = "cpu"
-    """Device of the model, the engine and every batch."""
     dtype: str = "float32"
-    """Floating-point dtype of the trained model and of the batches: float32 or float64."""
     d_model: int = 32
-    """Model width."""
     n_layers: int = 2
-    """Transformer blocks."""
     n_heads: int = 2
-    """Attention heads."""
     n_experts: int = 4
-    """Experts per MoE layer."""
     top_k: int = 2
-    """Experts per token."""
     expert_hidden: int = 32
-    """Hidden width of each expert (of the dense MLP with ``dense``)."""
     dense: bool = False
-    """Dense MLPs instead of experts (no routing; r2 and r3 are rejected)."""
     init_std: float = 0.02
-    """Standard deviation of the initial weights."""
     init: str | None = None
-    """Checkpoint whose model weights start the run (e.g. one written by ``tokenmdp sft``)."""
     out_dir: str = "runs/train"
-    """Folder of ``metrics.jsonl`` and ``checkpoint.pt``."""
     resume: bool = False
-    """Continue from ``out_dir/checkpoint.pt`` (model, optimizer, RNG states, step); refused when
-    there is no checkpoint there."""
     overwrite: bool = False
-    """Replace the run already in ``out_dir`` (without it, a non-empty ``out_dir`` is refused)."""
     checkpoint_every: int = 1
-    """Write the checkpoint every this many steps and at the last (0: only at the last)."""
     max_nonfinite: int = 3
-    """Stop after this many updates in a row with a non-finite loss or gradient (each skipped)."""
     deterministic: bool = True
-    """Run under ``torch.use_deterministic_algorithms`` (resumed runs then repeat exactly)."""
 
 
 def field_docs(cls: type = TrainConfig) -> dict[str, str]:
-    """Field name → its docstring (the string literal right under the field), whitespace folded."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
-                isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
+    """Field name → its description in the ``Parameters`` section of the dataclass ``cls``'s
+    docstring, whitespace folded.
+
+    Returns
+    -------
+    dict of str to str
+        One entry per documented field, in the section's order (the command line's help texts);
+        empty when the docstring has no ``Parameters`` section (e.g. under ``python -OO``).
+    """
+    fields = {f.name for f in dataclasses.fields(cls)}
+    lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
+    if "Parameters" not in lines:
+        return {}
+    docs: dict[str, list[str]] = {}
+    name = None
+    for line in lines[lines.index("Parameters") + 2:]:   # after the dashes
+        if line and not line[0].isspace():               # "name : type", or the next section
+            name = line.split(" : ")[0]
+            if name not in fields:
+                break
+            docs[name] = []
+        elif name is not None:
+            docs[name].append(line)
+    return {name: " ".join(" ".join(text).split()) for name, text in docs.items()}
 
 
 def _device_supports(device: torch.device, precision: str) -> str | None:
@@ -144,7 +205,20 @@ def _device_supports(device: torch.device, precision: str) -> str | None:
 def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
     """Raise ``ValueError`` naming the field on a configuration that cannot run (on
     ``world_size`` data-parallel ranks): unknown names, sizes out of range, float options that
-    are not finite numbers, negative seeds."""
+    are not finite numbers, negative seeds.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        The configuration to check.
+    world_size : int, default 1
+        Data-parallel ranks it will run on (prompts and evaluation prompts must split over them).
+
+    Raises
+    ------
+    ValueError
+        Naming the field (or fields) at fault.
+    """
     from tokenmdp import estimators
     from tokenmdp.rl.rollout import PRECISIONS, RoutingReplay
     from tokenmdp.rl.tasks import TASKS

@@ -49,6 +49,16 @@ def read_metrics(path: str | Path) -> list[dict]:
     A last line without its newline (a write cut by a crash) that is not valid JSON is dropped
     with a warning; any other malformed line raises.
 
+    Parameters
+    ----------
+    path : str or Path
+        The file (``out_dir/metrics.jsonl`` of a run).
+
+    Returns
+    -------
+    list of dict
+        One row per line: metric name → value, each with an integer ``step``.
+
     Raises
     ------
     ValueError
@@ -200,6 +210,11 @@ class RunLogger:
 
     def log(self, row: dict) -> None:
         """Append ``row`` (with an integer ``step``) to every enabled destination.
+
+        Parameters
+        ----------
+        row : dict
+            Metric name → value (JSON-serializable; numbers also go to TensorBoard).
 
         Raises
         ------

@@ -21,7 +21,22 @@ _TYPES = {"int": int, "float": float, "str": str, "float | None": float, "str | 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, defaults: dict | None = None,
                          skip: tuple[str, ...] = ("mode",)) -> None:
-    """One option per :class:`TrainConfig` field not in ``skip`` (``defaults`` override)."""
+    """One option per :class:`TrainConfig` field not in ``skip`` (``defaults`` override).
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The (sub-)parser the options are added to.
+    defaults : dict, optional
+        Field name → default to show and use instead of the field's own.
+    skip : tuple of str, default ("mode",)
+        Fields that get no option.
+
+    Raises
+    ------
+    TypeError
+        For a field whose type has no command-line conversion.
+    """
     docs = field_docs(TrainConfig)
     defaults = defaults or {}
     for f in dataclasses.fields(TrainConfig):
@@ -41,7 +56,21 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, defaults: dict | No
 
 
 def config_from_args(args: argparse.Namespace, mode: str) -> TrainConfig:
-    """The :class:`TrainConfig` of parsed options, with ``mode``."""
+    """The :class:`TrainConfig` of parsed options, with ``mode``.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed options of :func:`add_config_arguments` (fields without an option keep their
+        defaults).
+    mode : str
+        ``"rl"`` or ``"sft"``.
+
+    Returns
+    -------
+    TrainConfig
+        The configuration (checked later, by :func:`~tokenmdp.rl.config.check_config`).
+    """
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
               if hasattr(args, f.name)}
     return TrainConfig(**{**values, "mode": mode})

@@ -50,17 +50,38 @@ FP8_E4M3_MAX = 448.0
 
 
 def simulate_fp8(w: torch.Tensor) -> torch.Tensor:
-    """Round ``w`` to float8 e4m3 with one per-tensor scale (``absmax -> 448``), back in its dtype."""
+    """Round ``w`` to float8 e4m3 with one per-tensor scale (``absmax -> 448``), back in its dtype.
+
+    Parameters
+    ----------
+    w : Tensor
+        A weight tensor (any floating dtype; an all-zero tensor stays zero).
+
+    Returns
+    -------
+    Tensor
+        ``w`` rounded to the fp8 e4m3 grid scaled by ``absmax(w) / 448``, same shape and dtype.
+    """
     scale = w.abs().max().clamp(min=torch.finfo(torch.float32).tiny) / FP8_E4M3_MAX
     return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
 
 
-class RoutingReplay(str, enum.Enum):
-    """Which routing the training passes replay (see the module docstring)."""
+# PR01 would ask for the parameters of Enum's functional API (names, module, qualname, ...).
+class RoutingReplay(str, enum.Enum):  # numpydoc ignore=PR01
+    """Which routing the training passes replay (see the module docstring).
+
+    Parameters
+    ----------
+    value : str
+        A member's value: ``RoutingReplay("r3")`` is ``RoutingReplay.R3``.
+    """
 
     NONE = "none"
+    """Every pass routes by itself."""
     R2 = "r2"
+    """The updates replay the ``old_logprob`` pass's routing (``OLD_ROUTING``)."""
     R3 = "r3"
+    """The ``old_logprob`` pass and the updates replay the rollout engine's (``ENGINE_ROUTING``)."""
 
 
 class RolloutEngine:
@@ -111,11 +132,19 @@ class RolloutEngine:
 
     @property
     def config(self):
+        """The model's :class:`~tokenmdp.model.ModelConfig`."""
         return self.model.config
 
     @torch.no_grad()
     def sync(self, model: MoETransformer) -> None:
-        """Copy the trainer's weights into the engine, cast to (and rounded in) its precision."""
+        """Copy the trainer's weights into the engine, cast to (and rounded in) its precision.
+
+        Parameters
+        ----------
+        model : MoETransformer
+            The trainer's model, of the engine's configuration (its parameters are read, never
+            changed).
+        """
         source = dict(model.named_parameters())
         for name, p in self.model.named_parameters():
             w = source[name].detach().to(device=self.device, dtype=self.dtype)
@@ -133,8 +162,11 @@ class RolloutEngine:
         Parameters
         ----------
         prompts : sequences of token ids, each non-empty
+            One prompt per sequence to generate.
         max_new_tokens : int
+            Longest response; a response that reaches it without EOS is truncated.
         eos_id : int
+            The token that ends a response (kept as its last token).
         generator : torch.Generator
             The only source of randomness (on the engine's device).
         temperature : float
@@ -265,7 +297,21 @@ class RolloutEngine:
 # ---------------------------------------------------------------------- routing replay
 def replay_routing(batch: TokenBatch, replay: RoutingReplay | str) -> torch.Tensor | None:
     """The routing an update pass replays: ``None`` (NONE), the ``old_logprob`` pass's record
-    (R2, needs :func:`compute_old_logprobs` first) or the rollout engine's trace (R3)."""
+    (R2, needs :func:`compute_old_logprobs` first) or the rollout engine's trace (R3).
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        The step's batch, with the record in ``token_extras`` (``OLD_ROUTING`` or
+        ``ENGINE_ROUTING``).
+    replay : RoutingReplay or str
+        ``none``, ``r2`` or ``r3``.
+
+    Returns
+    -------
+    LongTensor ``[R, C, L, K]`` or None
+        The expert ids to replay (``-1``: routed by the pass itself), None for NONE.
+    """
     replay = RoutingReplay(replay)
     if replay is RoutingReplay.NONE:
         return None
@@ -283,6 +329,23 @@ def compute_old_logprobs(model: MoETransformer, batch: TokenBatch,
     With ``entropy=True`` it returns ``(batch, entropy_RC)``: the same batch and, from the same
     forward pass, the entropy of ``pi_old`` at every response token (``[R, C]`` in the batch's
     dtype, 0 elsewhere; see :meth:`MoETransformer.token_outputs`).
+
+    Parameters
+    ----------
+    model : MoETransformer
+        The trainer's model at the rollout weights (run without gradient).
+    batch : TokenBatch
+        The rollout (with ``token_extras[ENGINE_ROUTING]`` under R3).
+    replay : RoutingReplay or str
+        ``none``, ``r2`` or ``r3`` (only R3 replays in this pass).
+    entropy : bool, default False
+        Also return the entropy of ``pi_old``.
+
+    Returns
+    -------
+    TokenBatch or (TokenBatch, Tensor ``[R, C]``)
+        The batch with ``old_logprob`` (in its dtype) and ``token_extras[OLD_ROUTING]``, and
+        with ``entropy`` the per-token entropy.
     """
     replay = RoutingReplay(replay)
     if not isinstance(entropy, bool):
@@ -301,6 +364,18 @@ def training_inference_kl(batch: TokenBatch, *, kind: str = "k3") -> float:
 
     With ``log r = log pi_old - log mu``: ``k1 = -log r`` (unbiased, can be negative on a finite
     sample) or ``k3 = (r - 1) - log r`` (unbiased and non-negative term by term; Schulman 2020).
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        Tokens sampled by ``mu``, with ``behavior_logprob`` and ``old_logprob``.
+    kind : {"k3", "k1"}
+        The estimator of each term.
+
+    Returns
+    -------
+    float
+        The mean of the terms over the loss tokens (in float64; 0 without loss tokens).
     """
     if batch.behavior_logprob is None or batch.old_logprob is None:
         raise ValueError("batch: needs behavior_logprob and old_logprob")
@@ -314,7 +389,18 @@ def training_inference_kl(batch: TokenBatch, *, kind: str = "k3") -> float:
 def routing_mismatch_counts(experts_a: torch.Tensor, experts_b: torch.Tensor) -> tuple[int, int]:
     """``(differing, compared)``: the (token, layer) pairs recorded in both (``>= 0``), and those
     of them whose *sets* of experts differ. Both ``[R, C, L, K]`` on the same layout. Counts, so
-    that they can be summed over batches or ranks before dividing."""
+    that they can be summed over batches or ranks before dividing.
+
+    Parameters
+    ----------
+    experts_a, experts_b : LongTensor ``[R, C, L, K]``
+        Two routing records of the same tokens (``-1``: not recorded).
+
+    Returns
+    -------
+    (int, int)
+        The number of differing pairs and the number of pairs recorded in both.
+    """
     if experts_a.shape != experts_b.shape:
         raise ValueError(f"experts_b: shape {tuple(experts_b.shape)} differs from experts_a's "
                          f"{tuple(experts_a.shape)}")
@@ -325,6 +411,17 @@ def routing_mismatch_counts(experts_a: torch.Tensor, experts_b: torch.Tensor) ->
 
 def routing_mismatch_rate(experts_a: torch.Tensor, experts_b: torch.Tensor) -> float:
     """Fraction of (token, layer) pairs, among those recorded in both (``>= 0``), whose *sets* of
-    experts differ (:func:`routing_mismatch_counts`); 0 when none is recorded in both."""
+    experts differ (:func:`routing_mismatch_counts`); 0 when none is recorded in both.
+
+    Parameters
+    ----------
+    experts_a, experts_b : LongTensor ``[R, C, L, K]``
+        Two routing records of the same tokens (``-1``: not recorded).
+
+    Returns
+    -------
+    float
+        ``differing / compared``, in ``[0, 1]``.
+    """
     differing, compared = routing_mismatch_counts(experts_a, experts_b)
     return differing / compared if compared else 0.0

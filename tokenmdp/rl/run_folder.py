@@ -43,6 +43,20 @@ def check_run_folder(out_dir: str | Path, *, resume: bool, overwrite: bool) -> N
     """Raise ``ValueError`` when a run may not start in ``out_dir`` (see the module docstring).
 
     Only reads: every data-parallel rank can call it before any rank writes.
+
+    Parameters
+    ----------
+    out_dir : str or Path
+        The run's folder.
+    resume : bool
+        The run continues from ``out_dir``'s checkpoint.
+    overwrite : bool
+        The run replaces whatever is in ``out_dir``.
+
+    Raises
+    ------
+    ValueError
+        Naming the option at fault (``resume``, ``overwrite`` or ``out_dir``).
     """
     out = Path(out_dir)
     if resume and overwrite:
@@ -70,8 +84,16 @@ def check_run_folder(out_dir: str | Path, *, resume: bool, overwrite: bool) -> N
 
 
 class RunLock:
-    """``out_dir`` created, writable and exclusively ours until :meth:`release` (a context
-    manager). With ``overwrite``, the previous run's checkpoint is removed once the lock is held.
+    """``out_dir`` created, writable and exclusively ours until :meth:`RunLock.release` (a
+    context manager). With ``overwrite``, the previous run's checkpoint is removed once the lock
+    is held.
+
+    Parameters
+    ----------
+    out_dir : str or Path
+        The run's folder (created with its parents when missing).
+    overwrite : bool, default False
+        Remove the previous run's checkpoint once the lock is held.
 
     Raises
     ------

@@ -39,6 +39,11 @@ class CharTokenizer:
     ``encode`` maps characters to ids (no EOS added); ``decode`` maps ids back, stopping at the
     first EOS. ``decode(encode(s)) == s`` for every string over ``chars`` (the constructor
     argument, kept as ``self.chars``).
+
+    Parameters
+    ----------
+    chars : str, default "0123456789+=>ab"
+        The vocabulary's characters, distinct; character ``i`` gets id ``i + 2``.
     """
 
     PAD = 0
@@ -56,7 +61,18 @@ class CharTokenizer:
         return len(self.chars) + 2
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; raises ``ValueError`` on a character outside the vocabulary."""
+        """Token ids of ``text``; raises ``ValueError`` on a character outside the vocabulary.
+
+        Parameters
+        ----------
+        text : str
+            Characters of the vocabulary.
+
+        Returns
+        -------
+        list of int
+            One id per character, no EOS.
+        """
         try:
             return [self._ids[c] for c in text]
         except KeyError as err:
@@ -64,7 +80,18 @@ class CharTokenizer:
                              f"{self.chars!r}") from None
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` up to (not including) the first EOS; PAD is skipped."""
+        """Text of ``ids`` up to (not including) the first EOS; PAD is skipped.
+
+        Parameters
+        ----------
+        ids : sequence of int
+            Token ids (ints or integer scalars, e.g. a tensor's row).
+
+        Returns
+        -------
+        str
+            The decoded text.
+        """
         out = []
         for i in ids:
             i = int(i)
@@ -77,7 +104,15 @@ class CharTokenizer:
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One task instance: the prompt text and the correct answer text (without EOS)."""
+    """One task instance: the prompt text and the correct answer text (without EOS).
+
+    Parameters
+    ----------
+    prompt : str
+        What the model is given, e.g. ``"12+7="``.
+    answer : str
+        The only correct response's text, e.g. ``"19"``.
+    """
 
     prompt: str
     answer: str
@@ -86,7 +121,13 @@ class Example:
 class Task:
     """A verifiable task: draws examples and scores responses exactly.
 
-    Subclasses implement :meth:`draw` (one random example) and may override :meth:`reward`.
+    Subclasses implement :meth:`draw` (one random example) and :meth:`max_prompt_len`, and may
+    override :meth:`reward`.
+
+    Parameters
+    ----------
+    tokenizer : CharTokenizer, optional
+        The tokenizer of prompts and responses (default: ``CharTokenizer()``).
     """
 
     name = "task"
@@ -95,26 +136,83 @@ class Task:
         self.tokenizer = tokenizer or CharTokenizer()
 
     def draw(self, rng: np.random.Generator) -> Example:
-        """One random example."""
+        """One random example.
+
+        Parameters
+        ----------
+        rng : numpy.random.Generator
+            The source of randomness (the only one: the same state draws the same example).
+
+        Returns
+        -------
+        Example
+            The prompt and its answer.
+        """
         raise NotImplementedError
 
     def is_correct(self, example: Example, response: Sequence[int]) -> bool:
-        """True when ``response`` (token ids) is the answer followed by EOS."""
+        """True when ``response`` (token ids) is the answer followed by EOS.
+
+        Parameters
+        ----------
+        example : Example
+            The prompt's example.
+        response : sequence of int
+            The sampled token ids, EOS included when the response ended.
+
+        Returns
+        -------
+        bool
+            Whether it is the answer's text, then exactly one EOS, at the end.
+        """
         ids = list(response)
         return bool(ids) and ids[-1] == CharTokenizer.EOS and \
             self.tokenizer.decode(ids) == example.answer and \
             ids.count(CharTokenizer.EOS) == 1
 
     def reward(self, example: Example, response: Sequence[int]) -> float:
-        """Exact reward of ``response`` (token ids): 1 if correct, else 0."""
+        """Exact reward of ``response`` (token ids): 1 if correct, else 0.
+
+        Parameters
+        ----------
+        example : Example
+            The prompt's example.
+        response : sequence of int
+            The sampled token ids, EOS included when the response ended.
+
+        Returns
+        -------
+        float
+            The reward.
+        """
         return float(self.is_correct(example, response))
 
     def max_prompt_len(self) -> int:
-        """Upper bound on the prompt length in tokens."""
+        """Upper bound on the prompt length in tokens.
+
+        Returns
+        -------
+        int
+            The longest prompt :meth:`draw` can return, in tokens.
+        """
         raise NotImplementedError
 
     def eval_split(self, size: int, seed: int) -> list[Example]:
-        """``size`` distinct examples drawn from ``seed``: the held-out evaluation set."""
+        """``size`` distinct examples drawn from ``seed``: the held-out evaluation set.
+
+        Parameters
+        ----------
+        size : int
+            Number of examples (distinct prompts).
+        seed : int
+            Seed of the draws (the same seed gives the same set).
+
+        Returns
+        -------
+        list of Example
+            The examples, in draw order; ``ValueError`` when the task has fewer distinct prompts
+            than ``size`` (or they are too rare to find).
+        """
         rng = np.random.default_rng(seed)
         seen: dict[str, Example] = {}
         for _ in range(MAX_REJECTIONS):
@@ -128,7 +226,22 @@ class Task:
 
     def sample(self, n: int, rng: np.random.Generator, *, exclude: frozenset[str] = frozenset()
                ) -> list[Example]:
-        """``n`` training examples from ``rng`` whose prompts are not in ``exclude``."""
+        """``n`` training examples from ``rng`` whose prompts are not in ``exclude``.
+
+        Parameters
+        ----------
+        n : int
+            Number of examples (repeats allowed).
+        rng : numpy.random.Generator
+            The source of randomness.
+        exclude : frozenset of str, default frozenset()
+            Prompts never drawn (the evaluation split's).
+
+        Returns
+        -------
+        list of Example
+            ``n`` examples; ``ValueError`` when ``MAX_REJECTIONS`` draws do not find them.
+        """
         out = []
         for _ in range(MAX_REJECTIONS):
             if len(out) == n:
@@ -140,7 +253,16 @@ class Task:
 
 
 class Addition(Task):
-    """``"a+b="`` → ``"a+b"`` in decimal, each operand with 1 to ``max_digits`` digits."""
+    """``"a+b="`` → ``"a+b"`` in decimal, each operand with 1 to ``max_digits`` digits.
+
+    Parameters
+    ----------
+    tokenizer : CharTokenizer, optional
+        Default: ``CharTokenizer()``.
+    max_digits : int, default 2
+        Most digits of each operand (each is uniform below ``10^k`` for a uniform ``k`` in
+        ``1..max_digits``).
+    """
 
     name = "addition"
 
@@ -149,16 +271,43 @@ class Addition(Task):
         self.max_digits = max_digits
 
     def draw(self, rng: np.random.Generator) -> Example:
+        """Two operands, each uniform below ``10^k`` for a uniform ``k`` in ``1..max_digits``.
+
+        Parameters
+        ----------
+        rng : numpy.random.Generator
+            The source of randomness.
+
+        Returns
+        -------
+        Example
+            ``"a+b="`` and the decimal sum.
+        """
         a, b = (int(rng.integers(0, 10 ** int(rng.integers(1, self.max_digits + 1))))
                 for _ in range(2))
         return Example(f"{a}+{b}=", str(a + b))
 
     def max_prompt_len(self) -> int:
+        """Two operands of ``max_digits``, ``+`` and ``=``.
+
+        Returns
+        -------
+        int
+            ``2 max_digits + 2``.
+        """
         return 2 * self.max_digits + 2
 
 
 class Sorting(Task):
-    """``"3142>"`` → ``"1234"``: ``min_len`` to ``max_len`` digits, sorted ascending."""
+    """``"3142>"`` → ``"1234"``: ``min_len`` to ``max_len`` digits, sorted ascending.
+
+    Parameters
+    ----------
+    tokenizer : CharTokenizer, optional
+        Default: ``CharTokenizer()``.
+    min_len, max_len : int, default 2 and 4
+        Fewest and most digits of a prompt (the length is drawn uniformly).
+    """
 
     name = "sorting"
 
@@ -168,10 +317,29 @@ class Sorting(Task):
         self.min_len, self.max_len = min_len, max_len
 
     def draw(self, rng: np.random.Generator) -> Example:
+        """A uniform length, then uniform digits (repeats allowed).
+
+        Parameters
+        ----------
+        rng : numpy.random.Generator
+            The source of randomness.
+
+        Returns
+        -------
+        Example
+            The digits followed by ``>``, and the digits sorted.
+        """
         digits = rng.integers(0, 10, size=int(rng.integers(self.min_len, self.max_len + 1)))
         return Example("".join(map(str, digits)) + ">", "".join(map(str, sorted(digits))))
 
     def max_prompt_len(self) -> int:
+        """``max_len`` digits and ``>``.
+
+        Returns
+        -------
+        int
+            ``max_len + 1``.
+        """
         return self.max_len + 1
 
 
@@ -181,6 +349,15 @@ class CountA(Task):
     Reward ``1[correct] - length_penalty * max(0, n - 2)`` for a response of ``n`` tokens: the
     correct response has 2 tokens (digit, EOS), so every longer response is wrong *and*
     penalized per extra character (see the module docstring).
+
+    Parameters
+    ----------
+    tokenizer : CharTokenizer, optional
+        Default: ``CharTokenizer()``.
+    max_len : int, default 6
+        Most letters of a prompt, at most 9 (the length is drawn uniformly from 1).
+    length_penalty : float, default 0.05
+        Reward subtracted per response token beyond the correct response's two.
     """
 
     name = "count"
@@ -193,15 +370,48 @@ class CountA(Task):
         self.max_len, self.length_penalty = max_len, length_penalty
 
     def draw(self, rng: np.random.Generator) -> Example:
+        """A uniform length, then uniform letters ``a`` / ``b``.
+
+        Parameters
+        ----------
+        rng : numpy.random.Generator
+            The source of randomness.
+
+        Returns
+        -------
+        Example
+            The letters followed by ``=``, and the number of ``a`` as one digit.
+        """
         letters = rng.choice(np.array(["a", "b"]), size=int(rng.integers(1, self.max_len + 1)))
         text = "".join(letters.tolist())
         return Example(text + "=", str(text.count("a")))
 
     def reward(self, example: Example, response: Sequence[int]) -> float:
+        """``1[correct] - length_penalty * max(0, n - 2)`` for a response of ``n`` tokens.
+
+        Parameters
+        ----------
+        example : Example
+            The prompt's example.
+        response : sequence of int
+            The sampled token ids, EOS included when the response ended.
+
+        Returns
+        -------
+        float
+            The reward (negative for a long wrong response).
+        """
         extra = max(0, len(response) - (len(example.answer) + 1))
         return float(self.is_correct(example, response)) - self.length_penalty * extra
 
     def max_prompt_len(self) -> int:
+        """``max_len`` letters and ``=``.
+
+        Returns
+        -------
+        int
+            ``max_len + 1``.
+        """
         return self.max_len + 1
 
 
@@ -210,7 +420,18 @@ TASKS = {"addition": Addition, "sorting": Sorting, "count": CountA}
 
 
 def get_task(name: str) -> Task:
-    """The task ``name`` with its default options; ``ValueError`` listing the names otherwise."""
+    """The task ``name`` with its default options; ``ValueError`` listing the names otherwise.
+
+    Parameters
+    ----------
+    name : str
+        A key of ``TASKS``: addition, sorting or count.
+
+    Returns
+    -------
+    Task
+        A new instance with the default tokenizer and options.
+    """
     if name not in TASKS:
         raise ValueError(f"task: expected one of {', '.join(TASKS)}, got {name!r}")
     return TASKS[name]()
