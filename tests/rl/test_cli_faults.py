@@ -167,7 +167,8 @@ def test_sigkill_during_checkpoint_writes_then_resume():
 def test_trainer_does_not_import_the_cli_commands():
     import ast
 
-    for module in ("trainer", "options", "config", "checkpoint", "run_folder"):
+    for module in ("trainer", "run_setup", "run_state", "options", "config", "checkpoint",
+                   "run_folder"):
         tree = ast.parse((ROOT / "tokenmdp" / "rl" / f"{module}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

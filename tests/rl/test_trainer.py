@@ -14,7 +14,7 @@ from tokenmdp.batch import TokenBatch
 from tokenmdp.exact import TokenMDP, gradient, sequence_probs
 from tokenmdp.exact.rewards import RandomTable
 from tokenmdp.packing import pack_first_fit_decreasing, split_micro_batches
-from tokenmdp.rl import trainer
+from tokenmdp.rl import run_state, trainer
 from tokenmdp.rl.config import TrainConfig, check_config
 from tokenmdp.rl.rollout import RoutingReplay, compute_old_logprobs
 from tokenmdp.rl.trainer import (
@@ -132,7 +132,7 @@ def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch
         calls.append(1)
         return model.embed.sum() * float("nan"), {"tokens": torch.tensor(1.0)}
 
-    monkeypatch.setattr(trainer, "minibatch_loss", nan_loss)
+    monkeypatch.setattr(run_state, "minibatch_loss", nan_loss)  # where _Run looks it up
     cfg = TrainConfig(mode="sft", steps=5, max_nonfinite=2, out_dir=str(tmp_path), **TINY)
     before = trainer._Run(cfg).model.embed.detach().clone()
     with pytest.raises(NonFiniteError):
@@ -210,7 +210,7 @@ def test_cli_reports_a_diverged_run_without_a_traceback(tmp_path, monkeypatch, c
     def nan_loss(model, batch, est, replay, **kwargs):
         return model.embed.sum() * float("nan"), {"tokens": torch.tensor(1.0)}
 
-    monkeypatch.setattr(trainer, "minibatch_loss", nan_loss)
+    monkeypatch.setattr(run_state, "minibatch_loss", nan_loss)  # where _Run looks it up
     argv = ["sft", "--steps", "3", "--max-nonfinite", "1", "--out-dir", str(tmp_path)]
     for name, value in TINY.items():
         argv += [f"--{name.replace('_', '-')}", str(value)]

@@ -32,6 +32,12 @@ it and, on the CPU with deterministic algorithms, repeats an uninterrupted run's
 (except :data:`TIMING_FIELDS`). The run's folder is claimed before any work and locked while the
 run lasts (:mod:`tokenmdp.rl.run_folder`): a used folder needs ``resume`` or ``overwrite``.
 
+Where the parts live: :mod:`tokenmdp.rl.run_setup` builds the model, the estimator and the
+``init`` checkpoint; :mod:`tokenmdp.rl.run_state` holds the state a run carries from step to
+step and one step's work (rollout or demonstrations, the updates, the evaluation, the
+checkpoint); this module runs the loop (:func:`train`), joins the process group and holds the
+entry points (:func:`run_and_report`, :func:`main`). Their public names are re-exported here.
+
 Scale-out (data parallel)::
 
     torchrun --nproc_per_node=N -m tokenmdp.rl.trainer --task addition --estimator minirl ...
@@ -58,50 +64,29 @@ model is a few hundred thousand parameters, which every rank holds whole.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from tokenmdp import estimators
-from tokenmdp.batch import TokenBatch
-from tokenmdp.distributed import (
-    all_gather_objects,
-    all_reduce_floats,
-    data_parallel_loss_scale,
-    rank_and_world_size,
-)
-from tokenmdp.estimators import Aggregation, Estimator, KLPenalty, Reinforce, RewardAsAdvantage
-from tokenmdp.model import ModelConfig, MoETransformer
-from tokenmdp.packing import pack_first_fit_decreasing
-from tokenmdp.rl.checkpoint import (
-    CHECKPOINT,
-    check_model_config,
-    load_checkpoint,
-    save_checkpoint,
-)
-from tokenmdp.rl.config import DTYPES, TrainConfig, check_config
+from tokenmdp.distributed import all_reduce_floats
+from tokenmdp.rl.checkpoint import CHECKPOINT
+from tokenmdp.rl.config import TrainConfig, check_config
 from tokenmdp.rl.logger import RunLogger
 from tokenmdp.rl.options import add_config_arguments, config_from_args
-from tokenmdp.rl.rollout import (
-    ENGINE_ROUTING,
-    OLD_ROUTING,
-    RolloutEngine,
-    RoutingReplay,
-    compute_old_logprobs,
-    routing_mismatch_counts,
-    training_inference_kl,
-)
 from tokenmdp.rl.run_folder import RunLock, check_run_folder
-from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
+from tokenmdp.rl.run_setup import (
+    SFT_ESTIMATOR,
+    build_estimator,
+    build_model,
+    load_init,
+    model_config,
+)
+from tokenmdp.rl.run_state import NonFiniteError, _Run
 from tokenmdp.rl.update import (
     TrainingPass,
     minibatch_loss,
@@ -118,19 +103,6 @@ log = logging.getLogger(__name__)
 TIMING_FIELDS = ("time_s", "tokens_per_s")
 """Metrics that measure wall time (the only ones a resumed run may change)."""
 
-SFT_ESTIMATOR = Estimator(name="sft", surrogate=Reinforce(), advantage=RewardAsAdvantage(),
-                          aggregation=Aggregation.TOKEN_MEAN)
-"""SFT as an estimator: ``A = R = 1``, weighted NLL, mean over the step's answer tokens."""
-
-_RESUMABLE = ("steps", "resume", "overwrite", "eval_every", "checkpoint_every", "out_dir")
-"""Settings a resumed run may change without a warning."""
-
-
-class NonFiniteError(RuntimeError):
-    """Raised after ``max_nonfinite`` updates in a row had a non-finite loss or gradient, or when
-    the weights or the sampling distributions became non-finite (a diverging run)."""
-
-
 _NONFINITE_SAMPLING = "probability tensor contains"
 """How ``torch.multinomial`` reports inf/NaN probabilities (a diverged model)."""
 
@@ -145,292 +117,6 @@ def _sampling_guard(step: int, what: str):
             raise
         raise NonFiniteError(f"step {step}: the {what} sampling distribution is not finite (the "
                              "model diverged; lower --lr)") from None
-
-
-# ---------------------------------------------------------------------------------- building
-def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
-    """The :class:`~tokenmdp.model.ModelConfig` of ``cfg`` for a vocabulary of ``vocab_size``."""
-    # TrainConfig repeats the ModelConfig fields it exposes (flat, one command-line option each)
-    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)
-              if hasattr(cfg, f.name)}
-    return ModelConfig(vocab_size=vocab_size, **shared)
-
-
-def load_init(cfg: TrainConfig, device: torch.device | str = "cpu") -> dict:
-    """The ``cfg.init`` checkpoint, checked to hold a model of ``cfg``'s shape.
-
-    Raises
-    ------
-    ValueError
-        ``init``: unreadable, not a trainer checkpoint, or a model of another shape.
-    """
-    state = load_checkpoint(cfg.init, option="init", device=device)
-    vocab = get_task(cfg.task).tokenizer.vocab_size
-    check_model_config(state, dataclasses.asdict(model_config(cfg, vocab)), option="init",
-                       path=cfg.init)
-    return state
-
-
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | str | None = None
-                ) -> MoETransformer:
-    """The MoE transformer of ``cfg``, initialized from ``cfg.seed`` on ``device`` (default
-    ``cfg.device``)."""
-    mc = model_config(cfg, vocab_size)
-    return MoETransformer(mc, generator=torch.Generator().manual_seed(cfg.seed),
-                          device=cfg.device if device is None else device, dtype=DTYPES[cfg.dtype])
-
-
-def build_estimator(cfg: TrainConfig) -> Estimator:
-    """The registry estimator (rl) with ``kl_coef`` applied (k3 in the loss), or SFT's."""
-    if cfg.mode == "sft":
-        return SFT_ESTIMATOR
-    est = estimators.get(cfg.estimator)
-    if cfg.kl_coef is not None:
-        est = est.replace(kl=KLPenalty(coef=cfg.kl_coef, in_reward=False) if cfg.kl_coef > 0
-                          else None)
-    return est
-
-
-# ---------------------------------------------------------------------------------- the run
-class _Run:
-    """Everything a run carries from step to step (all of it is in the checkpoint)."""
-
-    def __init__(self, cfg: TrainConfig, device: torch.device | str | None = None, *,
-                 init_state: dict | None = None) -> None:
-        self.cfg = cfg
-        self.rank, self.world = rank_and_world_size()
-        self.device = torch.device(cfg.device if device is None else device)
-        self.task: Task = get_task(cfg.task)
-        self.tok: CharTokenizer = self.task.tokenizer
-        self.est = build_estimator(cfg)
-        self.replay = RoutingReplay(cfg.replay) if cfg.mode == "rl" else RoutingReplay.NONE
-        self.dtype = DTYPES[cfg.dtype]
-        self.capacity = self.task.max_prompt_len() + cfg.max_new_tokens
-        self.model = build_model(cfg, self.tok.vocab_size, self.device)
-        if cfg.init is not None:
-            state = load_init(cfg, self.device) if init_state is None else init_state
-            self.model.load_state_dict(state["model"])
-        self.reference = MoETransformer(self.model.config, generator=torch.Generator(),
-                                        device=self.device, dtype=self.dtype)
-        self.reference.load_state_dict(self.model.state_dict())
-        self.reference.requires_grad_(False)
-        # the training pass: through DDP when data parallel (rollout, old_logprob and
-        # evaluation passes use self.model directly: no gradient, nothing to synchronize)
-        self.trained: torch.nn.Module = self.model
-        if self.world > 1:  # experts are stacked parameters: every one is used in every pass
-            self.trained = DistributedDataParallel(TrainingPass(self.model))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2),
-                                           weight_decay=cfg.weight_decay)
-        self.engine = RolloutEngine(self.model, precision=cfg.rollout_precision)
-        self.sample_gen = torch.Generator(device=self.device).manual_seed(cfg.seed + self.rank)
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * self.rank)
-        self.rng = np.random.default_rng(cfg.seed)  # the same on every rank: the step's prompts
-        self.eval_set = self.task.eval_split(cfg.eval_size, cfg.eval_seed)
-        self.exclude = frozenset(ex.prompt for ex in self.eval_set)
-        self.step = 0
-        self.nonfinite_run = 0
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, path: Path) -> None:
-        """Write the checkpoint (rank 0; a collective: every rank calls it, for its RNG states)."""
-        rngs = all_gather_objects({"numpy_rng": self.rng.bit_generator.state,
-                                   "sample_gen": self.sample_gen.get_state().cpu(),
-                                   "shuffle_gen": self.shuffle_gen.get_state()})
-        if self.rank != 0:
-            return
-        state = {"model": self.model.state_dict(), "reference": self.reference.state_dict(),
-                 "optimizer": self.optimizer.state_dict(), "step": self.step,
-                 "nonfinite_run": self.nonfinite_run, "rng": rngs,
-                 "model_config": dataclasses.asdict(self.model.config),
-                 "config": dataclasses.asdict(self.cfg)}
-        save_checkpoint(state, path)  # atomic: a reader sees the old or the new one, never half
-
-    def load(self, path: Path) -> None:
-        state = load_checkpoint(path, option="resume", device=self.device)
-        check_model_config(state, dataclasses.asdict(self.model.config), option="resume",
-                           path=path)
-        if len(state["rng"]) != self.world:
-            raise ValueError(f"resume: {path} was written by {len(state['rng'])} rank(s), this "
-                             f"run has {self.world}; resume with the same number of ranks")
-        # a setting an older checkpoint predates counts as its default
-        defaults = dataclasses.asdict(TrainConfig())
-        changed = sorted(k for k, v in dataclasses.asdict(self.cfg).items()
-                         if k not in _RESUMABLE and state["config"].get(k, defaults[k]) != v)
-        if changed and self.rank == 0:
-            log.warning("resuming %s with changed settings: %s", path, ", ".join(changed))
-        self.model.load_state_dict(state["model"])
-        self.reference.load_state_dict(state["reference"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.nonfinite_run = state["step"], state["nonfinite_run"]
-        rng = state["rng"][self.rank]
-        self.rng.bit_generator.state = rng["numpy_rng"]
-        self.sample_gen.set_state(rng["sample_gen"])
-        self.shuffle_gen.set_state(rng["shuffle_gen"].cpu())
-
-    # ------------------------------------------------------------------ data of one step
-    def _share(self, examples: list) -> list:
-        """This rank's contiguous share of the step's examples (all of them on one process)."""
-        per_rank = len(examples) // self.world
-        return examples[self.rank * per_rank:(self.rank + 1) * per_rank]
-
-    def rollout(self) -> tuple[TokenBatch, dict[str, float]]:
-        cfg = self.cfg
-        examples = self._share(self.task.sample(cfg.prompts_per_step, self.rng,
-                                                exclude=self.exclude))
-        repeated = [ex for ex in examples for _ in range(cfg.group_size)]
-        groups = [i for i in range(len(examples)) for _ in range(cfg.group_size)]
-        self.engine.sync(self.model)
-        batch = self.engine.generate([self.tok.encode(ex.prompt) for ex in repeated],
-                                     max_new_tokens=cfg.max_new_tokens, eos_id=self.tok.EOS,
-                                     generator=self.sample_gen, temperature=cfg.temperature,
-                                     groups=groups, dtype=self.dtype)
-        responses = [r for _, r in batch.sequences()]
-        reward_S = torch.tensor([self.task.reward(ex, r) for ex, r in zip(repeated, responses)],
-                                dtype=self.dtype, device=batch.device)
-        correct = [self.task.is_correct(ex, r) for ex, r in zip(repeated, responses)]
-        batch = pack_first_fit_decreasing(batch.replace(reward=reward_S), self.capacity)
-        # log π_old, the routing used and π_old's entropy at the sampled states: one pass
-        batch, ent_RC = compute_old_logprobs(self.model, batch, self.replay, entropy=True)
-        if self.est.kl is not None:
-            with torch.no_grad():
-                ref_RC = self.reference.token_logprobs(batch)
-            batch = batch.replace(ref_logprob=ref_RC.to(self.dtype))
-        mask = batch.loss_mask
-        tokens = float(mask.sum())
-        mismatch, routed = routing_mismatch_counts(batch.token_extras[ENGINE_ROUTING],
-                                                   batch.token_extras[OLD_ROUTING])
-        reward = reward_S.double()
-        # sums over this rank, reduced over the ranks, then divided: step-wide ratios
-        sums = dict(seqs=len(responses), reward=float(reward.sum()),
-                    reward_sq=float((reward ** 2).sum()), correct=float(sum(correct)),
-                    length=float(batch.length.double().sum()), tokens=tokens,
-                    entropy=float(ent_RC[mask].double().sum()),
-                    kl_k1=training_inference_kl(batch, kind="k1") * tokens,
-                    kl_k3=training_inference_kl(batch, kind="k3") * tokens,
-                    mismatch=mismatch, routed=routed)
-        g = dict(zip(sums, all_reduce_floats(list(sums.values()), device=self.device)))
-        n, t = g["seqs"], max(g["tokens"], 1.0)
-        mean_reward = g["reward"] / n
-        stats = {"reward": mean_reward,
-                 "reward_std": math.sqrt(max(g["reward_sq"] / n - mean_reward ** 2, 0.0)),
-                 "train_accuracy": g["correct"] / n, "response_length": g["length"] / n,
-                 "entropy": g["entropy"] / t, "train_infer_kl_k1": g["kl_k1"] / t,
-                 "train_infer_kl_k3": g["kl_k3"] / t,
-                 "routing_mismatch": g["mismatch"] / g["routed"] if g["routed"] else 0.0}
-        return batch, stats
-
-    def demonstrations(self) -> tuple[TokenBatch, dict[str, float]]:
-        examples = self._share(self.task.sample(self.cfg.prompts_per_step, self.rng,
-                                                exclude=self.exclude))
-        batch = TokenBatch.from_sequences(
-            [self.tok.encode(ex.prompt) for ex in examples],
-            [self.tok.encode(ex.answer) + [self.tok.EOS] for ex in examples],
-            rewards=[1.0] * len(examples), dtype=self.dtype, device=self.device)
-        batch = pack_first_fit_decreasing(batch, self.capacity)
-        n, length = all_reduce_floats([batch.num_sequences, float(batch.length.double().sum())],
-                                      device=self.device)
-        return batch, {"response_length": length / n}
-
-    # ------------------------------------------------------------------ updates
-    def updates(self, batch: TokenBatch) -> dict[str, float]:
-        """Prepare the step (advantages of whole groups; this rank's share), then
-        ``minibatches`` optimizer updates. Returns the step's update metrics (over all ranks)."""
-        cfg, params = self.cfg, list(self.model.parameters())
-        batch = estimators.prepare(batch, self.est, max_len=cfg.max_new_tokens,
-                                   advantage_S=self._step_advantages(batch))
-        parts = split_minibatches(batch, cfg.minibatches, generator=self.shuffle_gen,
-                                  capacity=self.capacity)
-        scale = data_parallel_loss_scale()
-        losses, norms, metrics, skipped = [], [], [], 0
-        for part in parts:
-            part = prepare_minibatch(part, self.est, max_len=cfg.max_new_tokens)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss, m = minibatch_loss(self.trained, part, self.est, self.replay,
-                                     load_balancing_coef=cfg.load_balancing_coef,
-                                     world_size=self.world)
-            # every rank skips together (DDP's backward is a collective); the rank losses sum
-            # to the mini-batch's loss (weights from the global counts)
-            finite, global_loss = all_reduce_floats(
-                [float(torch.isfinite(loss)), float(loss.detach())], device=self.device)
-            finite = finite == self.world
-            if finite:
-                (loss * scale).backward()
-                norm = torch.nn.utils.clip_grad_norm_(
-                    params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-            if not finite or not torch.isfinite(norm):
-                self.nonfinite_run += 1
-                skipped += 1
-                if self.rank == 0:
-                    log.warning("step %d: non-finite loss or gradient, update skipped (%d in a "
-                                "row)", self.step, self.nonfinite_run)
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.nonfinite_run >= cfg.max_nonfinite:
-                    raise NonFiniteError(f"{self.nonfinite_run} updates in a row had a "
-                                         "non-finite loss or gradient; stopping")
-                continue
-            self.nonfinite_run = 0
-            self.optimizer.step()
-            if not all(bool(torch.isfinite(p).all()) for p in params):
-                raise NonFiniteError(f"step {self.step}: the weights became non-finite after an "
-                                     f"update (lr {self.optimizer.param_groups[0]['lr']:g}); "
-                                     "stopping (lower --lr)")
-            losses.append(global_loss)
-            norms.append(float(norm))
-            metrics.append(m)
-        out = {"loss": _mean(losses), "grad_norm": _mean(norms), "skipped_updates": skipped}
-        if not metrics:
-            return out
-        # token-weighted over the updates and the ranks; extremes over both
-        weighted = [k for k in ("clip_fraction", "masked_fraction", "r_mean", "rho_mean", "kl_ref",
-                                "load_balancing")
-                    if k in metrics[0]]
-        sums = all_reduce_floats(
-            [sum(float(m["tokens"]) for m in metrics)] +
-            [sum(float(m[k]) * float(m["tokens"]) for m in metrics) for k in weighted],
-            device=self.device)
-        out.update({k: v / max(sums[0], 1.0) for k, v in zip(weighted, sums[1:])})
-        for keys, pick, op in ((("r_min", "rho_min"), min, "min"), (("r_max", "rho_max"), max, "max")):
-            keys = [k for k in keys if k in metrics[0]]
-            values = all_reduce_floats([pick(float(m[k]) for m in metrics) for k in keys],
-                                       op=op, device=self.device)
-            out.update(zip(keys, values))
-        return out
-
-    def _step_advantages(self, batch: TokenBatch) -> torch.Tensor | None:
-        """With data parallel and a batch-wide advantage (``ppo``'s batch normalization): the
-        advantages of the whole step, from every rank's rewards (gathered in rank order, group
-        ids made distinct), this rank's part. None otherwise (``prepare`` computes them)."""
-        if self.world == 1 or self.est.advantage.group_local:
-            return None
-        rewards = estimators.advantage_rewards(batch, self.est)
-        shares = all_gather_objects((rewards.cpu(), batch.group.cpu()))
-        offsets = np.cumsum([0] + [int(g.max()) + 1 if g.numel() else 0 for _, g in shares])
-        all_rewards = torch.cat([r for r, _ in shares]).to(self.device)
-        all_groups = torch.cat([g + int(o) for (_, g), o in zip(shares, offsets)]).to(self.device)
-        start = sum(len(r) for r, _ in shares[:self.rank])
-        return self.est.advantage(all_rewards, all_groups)[start:start + len(rewards)]
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Fraction of held-out prompts answered correctly (near-greedy sampling; the held-out
-        set is split over the ranks)."""
-        self.engine.sync(self.model)
-        share = self.eval_set[self.rank::self.world]
-        gen = torch.Generator(device=self.device).manual_seed(
-            self.cfg.eval_seed + self.step + 7919 * self.rank)
-        batch = self.engine.generate([self.tok.encode(ex.prompt) for ex in share],
-                                     max_new_tokens=self.cfg.max_new_tokens, eos_id=self.tok.EOS,
-                                     generator=gen, temperature=self.cfg.eval_temperature,
-                                     dtype=self.dtype)
-        correct = sum(self.task.is_correct(ex, r) for ex, (_, r) in zip(share, batch.sequences()))
-        correct, total = all_reduce_floats([correct, len(share)], device=self.device)
-        return correct / total
-
-
-def _mean(values: list[float]) -> float | None:
-    """Mean, or None (JSON null) when every update of the step was skipped."""
-    return float(np.mean(values)) if values else None
 
 
 @contextlib.contextmanager
