@@ -336,4 +336,3 @@ class BatchNormalized(Advantage):
             For example ``"(R - batch mean)/(std + 1e-06), ddof=1"``.
         """
         return f"(R - batch mean)/(std + {self.eps:g}), ddof={self.ddof}"
-

@@ -76,7 +76,6 @@ def count_step(batch: TokenBatch, mask_RC: torch.Tensor | None = None) -> tuple[
     num_sequences : int
         ``S``, the sequences with at least one of them.
     """
-
     mask = batch.loss_mask if mask_RC is None else mask_RC
     per_seq = loss_token_counts(batch, mask)
     return int(mask.sum()), int((per_seq > 0).sum())

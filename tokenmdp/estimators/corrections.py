@@ -360,6 +360,5 @@ class MaskedIS(Correction):
             For example ``"MIS [0.5, 5] (token; masked kept in normalizer)"``.
         """
         band = f"[{self.low:g}, {self.high:g}]" if self.low > 0 else f"<= {self.high:g}"
-
         norm = "kept in" if self.masked_in_normalizer else "out of"
         return f"MIS {band} ({self.level.value}; masked {norm} normalizer)"

@@ -410,6 +410,5 @@ def per_micro_batch_token_mean_loss(logprobs_RC: torch.Tensor, batch: TokenBatch
     metrics : dict of detached scalar tensors
         As :func:`loss` returns them.
     """
-
     own = loss_weights(batch, Aggregation.TOKEN_MEAN)
     return loss(logprobs_RC, batch.replace(loss_weight=own), estimator)

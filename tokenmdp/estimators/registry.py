@@ -310,7 +310,6 @@ def format_table() -> str:
     str
         One line per estimator (name, its five parts, paper) under a header and a rule.
     """
-
     header = ("name", "surrogate", "advantage", "correction", "aggregation", "KL", "paper")
     rows = [header]
     for entry in _ENTRIES.values():

@@ -252,4 +252,3 @@ class GSPOToken(Surrogate):
             For example ``"GSPO-token clip(s_it) [1-0.0003, 1+0.0004]"``.
         """
         return f"GSPO-token clip(s_it) [1-{self.eps_low:g}, 1+{self.eps_high:g}]"
-

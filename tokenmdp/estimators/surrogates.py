@@ -441,4 +441,3 @@ class MiniRL(Surrogate):
             For example ``"M sg(r) A log pi, M [1-0.2, 1+0.27]"``.
         """
         return f"M sg(r) A log pi, M [1-{self.eps_low:g}, 1+{self.eps_high:g}]"
-

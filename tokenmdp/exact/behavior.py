@@ -34,10 +34,17 @@ def round_logits(logits: torch.Tensor, rounding: str | int | None) -> torch.Tens
 
     Parameters
     ----------
+    logits : Tensor
+        Float64 logits, any shape.
     rounding : {None, "bf16", "fp16", "fp8_e4m3"} or int
         A named format (round-to-nearest-even through that dtype; fp8 saturates at ±448), or an
         int ``b >= 1``: keep ``b`` mantissa bits (``m 2^e`` with ``m`` rounded to multiples of
-        ``2^-b`` on ``[0.5, 1)``).
+        ``2^-b`` on ``[0.5, 1)``); None returns ``logits`` as they are.
+
+    Returns
+    -------
+    Tensor
+        Float64, the shape of ``logits``: each value replaced by its nearest grid value.
     """
     if rounding is None:
         return logits
@@ -100,16 +107,55 @@ class InferencePolicy(PrefixPolicy):
         return round_logits(logits + noise, self.rounding) / self.temperature
 
     def logits(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """``logits_mu``: the base policy's logits plus the fixed noise, rounded, over ``T``.
+
+        Parameters
+        ----------
+        prompt_index : LongTensor ``[N]``
+            The prompt of each state.
+        prefix : LongTensor ``[N, k]``
+            The response tokens so far of each state (all at depth ``k``).
+
+        Returns
+        -------
+        Tensor ``[N, V]``
+            Float64 logits of ``mu``.
+        """
         noise = self.noise[self.mdp.state_index(prompt_index, prefix)]
         return self._transform(self.base.logits(prompt_index, prefix), noise)
 
     def level_logits(self, k: int) -> torch.Tensor:
+        """``logits_mu`` of every state at depth ``k``, from the base policy's level logits.
+
+        Parameters
+        ----------
+        k : int
+            The depth, ``0 <= k < L``.
+
+        Returns
+        -------
+        Tensor ``[P * b^k, V]``
+            Float64 logits of ``mu``, in global state order.
+        """
         offs = self.mdp.level_offsets
         return self._transform(self.base.level_logits(k), self.noise[offs[k]:offs[k + 1]])
 
 
 def inference_copy(policy: PrefixPolicy, **kwargs) -> InferencePolicy:
-    """``mu``: a frozen :class:`InferencePolicy` of ``policy`` (keyword arguments as there)."""
+    """``mu``: a frozen :class:`InferencePolicy` of ``policy`` (keyword arguments as there).
+
+    Parameters
+    ----------
+    policy : PrefixPolicy
+        The policy whose weights are copied.
+    **kwargs
+        ``rounding``, ``noise_std``, ``temperature``, ``generator`` of :class:`InferencePolicy`.
+
+    Returns
+    -------
+    InferencePolicy
+        The frozen copy; ``policy`` is unchanged.
+    """
     return InferencePolicy(policy, **kwargs)
 
 
@@ -122,6 +168,22 @@ def stale_copy(mdp: TokenMDP, policy: nn.Module, *, direction: torch.Tensor | No
     by default ``∇J(theta)``, so ``pi_theta`` improves on ``pi_old``), or ``steps`` and ``lr``
     (``k`` exact gradient-descent steps on ``J`` from ``theta``, approximately undoing ``k``
     ascent steps: ``theta_old <- theta_old - lr ∇J(theta_old)``).
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The MDP ``policy`` was built for (``∇J`` is computed on it).
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+    direction : Tensor, optional
+        ``u``, of the shape of the flat parameter vector (default ``∇J(theta)``); with
+        ``distance`` only.
+    distance : float, optional
+        ``||theta - theta_old|| >= 0`` (0 gives an identical copy).
+    steps : int, optional
+        The number ``k >= 0`` of gradient-descent steps.
+    lr : float, optional
+        Their learning rate ``> 0`` (required with ``steps``).
 
     Returns
     -------

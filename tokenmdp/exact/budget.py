@@ -45,6 +45,17 @@ def memory_budget(override: int | float | str | None = None) -> int:
     """The budget in bytes: ``override`` when given, else ``$TOKENMDP_MEMORY_BUDGET``, else
     :data:`DEFAULT_MEMORY_BUDGET`.
 
+    Parameters
+    ----------
+    override : int, float or str, optional
+        A budget for one call: bytes, or a string such as ``"512M"`` or ``"16G"`` (powers of
+        1024).
+
+    Returns
+    -------
+    int
+        The budget, a positive number of bytes.
+
     Raises
     ------
     ValueError
@@ -63,7 +74,19 @@ def memory_budget(override: int | float | str | None = None) -> int:
 
 
 def format_bytes(n: int | float) -> str:
-    """``n`` bytes as ``"1.5 GiB"`` (or ``"3.2e+25 bytes"`` beyond TiB)."""
+    """``n`` bytes as ``"1.5 GiB"`` (or ``"3.2e+25 bytes"`` beyond TiB).
+
+    Parameters
+    ----------
+    n : int or float
+        A number of bytes, ``>= 0``.
+
+    Returns
+    -------
+    str
+        Three significant digits and a binary unit (KiB to TiB); whole bytes below 1 KiB, and
+        bytes in exponent notation from 1024 TiB on.
+    """
     for unit, size in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2),
                        ("KiB", 1024)):
         if n >= size:
@@ -81,6 +104,20 @@ def check_budget(what: str, count: int, unit: str, bytes_needed: int, *,
     ``what`` names the sizes that set ``count`` (e.g. ``"vocab_size=1000, max_len=10"``),
     ``unit`` what is counted (``"sequences"``); the message adds the bytes, the budget and how
     to raise it.
+
+    Parameters
+    ----------
+    what : str
+        The sizes that set ``count``, as the message's opening.
+    count : int
+        How many items the enumeration has.
+    unit : str
+        What the items are (plural).
+    bytes_needed : int
+        The estimated memory of the enumeration.
+    memory_budget : int, float or str, optional
+        A budget for this call (see :func:`memory_budget`; default: the environment's or
+        :data:`DEFAULT_MEMORY_BUDGET`).
     """
     budget = _resolve(memory_budget)
     if bytes_needed > budget:

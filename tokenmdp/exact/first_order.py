@@ -46,30 +46,56 @@ __all__ = ["PathPoint", "trust_region_bound", "max_state_tv", "first_order_path"
 
 @dataclass(frozen=True)
 class PathPoint:
-    """One point ``θ_old + s u`` of a path (all floats)."""
+    """One point ``θ_old + s u`` of a path (all floats).
+
+    Parameters
+    ----------
+    step : float
+        ``s``: the distance along the (unit) direction.
+    true_improvement : float
+        ``J(θ) − J(θ_old)``.
+    token_surrogate_improvement : float
+        ``L_{π_old}(π_θ) − J(θ_old)``.
+    sequence_is_improvement : float
+        ``E_{y~μ}[π_θ(y)/μ(y) R] − J(θ_old)`` (``μ`` the behaviour policy).
+    gap : float
+        ``J(θ) − L_{π_old}(π_θ)``.
+    bound : float
+        ``2 ε α² L (L−1)``, the trust-region bound on ``|gap|``.
+    max_tv : float
+        ``α = max_s TV(π_θ(·|s), π_old(·|s))``.
+    gradient_error : float
+        ``‖∇L_{π_old}(π_θ) − ∇J(θ)‖``.
+    gradient_norm : float
+        ``‖∇J(θ)‖``.
+    """
 
     step: float
-    """``s``: the distance along the (unit) direction."""
     true_improvement: float
-    """``J(θ) − J(θ_old)``."""
     token_surrogate_improvement: float
-    """``L_{π_old}(π_θ) − J(θ_old)``."""
     sequence_is_improvement: float
-    """``E_{y~μ}[π_θ(y)/μ(y) R] − J(θ_old)`` (``μ`` the behaviour policy)."""
     gap: float
-    """``J(θ) − L_{π_old}(π_θ)``."""
     bound: float
-    """``2 ε α² L (L−1)``, the trust-region bound on ``|gap|``."""
     max_tv: float
-    """``α = max_s TV(π_θ(·|s), π_old(·|s))``."""
     gradient_error: float
-    """``‖∇L_{π_old}(π_θ) − ∇J(θ)‖``."""
     gradient_norm: float
-    """``‖∇J(θ)‖``."""
 
 
 def max_state_tv(mdp: TokenMDP, p: nn.Module, q: nn.Module) -> torch.Tensor:
-    """``max_s TV(p(·|s), q(·|s))`` over every state of the MDP."""
+    """``max_s TV(p(·|s), q(·|s))`` over every state of the MDP.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    p, q : nn.Module
+        Float64 policies of ``mdp``.
+
+    Returns
+    -------
+    Tensor
+        The float64 scalar, in ``[0, 1]`` (no gradient).
+    """
     with torch.no_grad():
         tv = [0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
               for a, b in zip(state_logprobs(mdp, p), state_logprobs(mdp, q))]
@@ -77,7 +103,22 @@ def max_state_tv(mdp: TokenMDP, p: nn.Module, q: nn.Module) -> torch.Tensor:
 
 
 def trust_region_bound(mdp: TokenMDP, policy: nn.Module, old: nn.Module) -> torch.Tensor:
-    """``2 ε α² L (L − 1)`` with ``α = max_s TV(π, π_old)``, ``ε = max |A^{π_old}|``."""
+    """``2 ε α² L (L − 1)`` with ``α = max_s TV(π, π_old)``, ``ε = max |A^{π_old}|``.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP (``L`` its maximum response length).
+    policy : nn.Module
+        ``π``, a float64 policy of ``mdp``.
+    old : nn.Module
+        ``π_old``, whose advantages ``A^{π_old}`` enter ``ε``.
+
+    Returns
+    -------
+    Tensor
+        The float64 scalar bound on ``|J(π) − L_{π_old}(π)|`` (no gradient).
+    """
     with torch.no_grad():
         alpha = max_state_tv(mdp, policy, old)
         eps = values(mdp, old).A.abs().max()

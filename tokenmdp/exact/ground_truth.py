@@ -31,7 +31,21 @@ __all__ = ["state_logprobs", "sequence_logprobs", "sequence_probs", "objective",
 
 
 def state_logprobs(mdp: TokenMDP, policy: nn.Module) -> list[torch.Tensor]:
-    """``log pi(· | s)`` at every state, one tensor ``[P, b^k, V]`` per depth ``k`` from 0 to ``L-1``."""
+    """``log pi(· | s)`` at every state, one tensor ``[P, b^k, V]`` per depth ``k`` from 0 to ``L-1``.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp`` (a prefix policy, or any module with
+        ``next_token_logprobs(batch)``).
+
+    Returns
+    -------
+    list of Tensor
+        ``L`` tensors, the one of depth ``k`` of shape ``[P, b^k, V]`` (prefixes in code order).
+    """
     check_policy(mdp, policy)
     P, V = mdp.num_prompts, mdp.vocab_size
     if isinstance(policy, PrefixPolicy):
@@ -66,17 +80,56 @@ def _forward(mdp: TokenMDP, levels: list[torch.Tensor]) -> tuple[list[torch.Tens
 
 
 def sequence_logprobs(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:
-    """``log pi(y | x)`` of every response, ``[N]`` in :meth:`TokenMDP.enumerate` order."""
+    """``log pi(y | x)`` of every response, ``[N]`` in :meth:`TokenMDP.enumerate` order.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+
+    Returns
+    -------
+    Tensor ``[N]``
+        Float64, differentiable in the policy's parameters.
+    """
     return _forward(mdp, state_logprobs(mdp, policy))[1]
 
 
 def sequence_probs(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:
-    """``pi(y | x)`` of every response, ``[N]``; sums to 1 for each prompt."""
+    """``pi(y | x)`` of every response, ``[N]``; sums to 1 for each prompt.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+
+    Returns
+    -------
+    Tensor ``[N]``
+        Float64, in :meth:`TokenMDP.enumerate` order.
+    """
     return sequence_logprobs(mdp, policy).exp()
 
 
 def objective(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:
-    """``J = sum_x D(x) sum_y pi(y|x) R(x, y)`` as a differentiable float64 scalar."""
+    """``J = sum_x D(x) sum_y pi(y|x) R(x, y)`` as a differentiable float64 scalar.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP (its prompt distribution ``D`` and rewards ``R``).
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+
+    Returns
+    -------
+    Tensor
+        The scalar ``J``.
+    """
     probs = sequence_probs(mdp, policy)
     weights = mdp.prompt_probs[mdp.terminal_prompt_index]
     return (weights * probs * mdp.rewards).sum()
@@ -86,6 +139,18 @@ def flat_grad(output: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``d output / d theta`` as one flat float64 vector in ``module.parameters()`` order.
 
     Parameters that do not influence ``output`` get zeros.
+
+    Parameters
+    ----------
+    output : Tensor
+        A scalar computed from ``module``'s parameters (with its autograd graph).
+    module : nn.Module
+        The module whose parameters the gradient is taken in.
+
+    Returns
+    -------
+    Tensor ``[num_params]``
+        The gradient, parameter by parameter, flattened.
     """
     params = [p for p in module.parameters()]
     grads = torch.autograd.grad(output, params, allow_unused=True)
@@ -97,6 +162,18 @@ def gradient(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:
     """The true policy gradient ``∇J`` as one flat vector in ``policy.parameters()`` order.
 
     Works inside ``torch.no_grad()`` too (it enables grad for its own computation).
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+
+    Returns
+    -------
+    Tensor ``[num_params]``
+        ``∇J``, float64.
     """
     with torch.enable_grad():
         return flat_grad(objective(mdp, policy), policy)
@@ -106,6 +183,18 @@ def state_visitation(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:
     """``d^pi(s) = D(x) P_pi(reach s | x)`` for every state, ``[num_states]`` in state-id order.
 
     Summed over states it is the expected response length ``E|y|`` (one action per state visited).
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+
+    Returns
+    -------
+    Tensor ``[num_states]``
+        ``d^pi``, float64 (unnormalized: it sums to ``E|y|``).
     """
     prefixes, _ = _forward(mdp, state_logprobs(mdp, policy))
     d = [mdp.prompt_probs[:, None] * lp.exp() for lp in prefixes[:mdp.max_len]]
@@ -118,6 +207,13 @@ class ValueTables:
 
     Values condition on the prompt (they are ``E[R | s]``), so ``V`` at the root of prompt ``x``
     is ``J_x``.
+
+    Parameters
+    ----------
+    V : Tensor ``[num_states]``
+        ``V^pi(s) = sum_a pi(a|s) Q^pi(s, a)``.
+    Q : Tensor ``[num_states, V]``
+        ``Q^pi(s, a)``: the reward when ``a`` ends the response, else ``V^pi(s . a)``.
     """
 
     V: torch.Tensor
@@ -125,6 +221,7 @@ class ValueTables:
 
     @property
     def A(self) -> torch.Tensor:
+        """``A^pi = Q - V``, ``[num_states, V]``."""
         return self.Q - self.V[:, None]
 
 
@@ -146,7 +243,20 @@ def _q_tables(mdp: TokenMDP, levels: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def values(mdp: TokenMDP, policy: nn.Module) -> ValueTables:
-    """``V^pi``, ``Q^pi`` (and ``A^pi``) of every state by backward recursion over the prefix tree."""
+    """``V^pi``, ``Q^pi`` (and ``A^pi``) of every state by backward recursion over the prefix tree.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+
+    Returns
+    -------
+    ValueTables
+        ``V``, ``Q`` and ``A``, in state-id order (differentiable in the policy's parameters).
+    """
     levels = state_logprobs(mdp, policy)
     q_levels = _q_tables(mdp, levels)
     Q = torch.cat([q.reshape(-1, mdp.vocab_size) for q in q_levels])
@@ -159,9 +269,18 @@ def token_entropy(mdp: TokenMDP, policy: nn.Module, *, reduction: str = "mean") 
 
     Parameters
     ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp``.
     reduction : {"mean", "sum"}
         ``"mean"``: the per-token average ``sum_s d(s) H(s) / sum_s d(s)`` (what a trainer logs as
         token entropy); ``"sum"``: ``sum_s d(s) H(s)``, the expected entropy of a whole response.
+
+    Returns
+    -------
+    Tensor
+        The float64 scalar, in nats.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
@@ -177,7 +296,20 @@ def token_entropy(mdp: TokenMDP, policy: nn.Module, *, reduction: str = "mean") 
 
 
 def sequence_kl(mdp: TokenMDP, p: nn.Module, q: nn.Module) -> torch.Tensor:
-    """``KL(p || q) = sum_x D(x) sum_y p(y|x) (log p(y|x) - log q(y|x))``, exactly."""
+    """``KL(p || q) = sum_x D(x) sum_y p(y|x) (log p(y|x) - log q(y|x))``, exactly.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    p, q : nn.Module
+        Float64 policies of ``mdp``.
+
+    Returns
+    -------
+    Tensor
+        The float64 scalar ``KL(p || q) >= 0``, in nats (differentiable in both).
+    """
     lp = sequence_logprobs(mdp, p)
     lq = sequence_logprobs(mdp, q)
     w = mdp.prompt_probs[mdp.terminal_prompt_index]
@@ -192,6 +324,20 @@ def surrogate(mdp: TokenMDP, policy: nn.Module, behavior: nn.Module) -> torch.Te
     ``J`` to first order at ``pi = mu``: ``L_mu(mu) = J(mu)`` and ``∇L_mu(pi)|_{pi=mu} = ∇J(mu)``.
     Differentiable in ``policy``; every behaviour quantity is detached (it is a constant of the
     surrogate).
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        ``pi``, a float64 policy of ``mdp``.
+    behavior : nn.Module
+        ``mu``, the policy the surrogate is taken around.
+
+    Returns
+    -------
+    Tensor
+        The float64 scalar ``L_mu(pi)``.
     """
     with torch.no_grad():
         tables = values(mdp, behavior)

@@ -27,7 +27,24 @@ __all__ = ["count_draws", "exact_draws", "sampled_draws", "filter_equal_rewards"
 
 def multisets(num_types: int, size: int, probs: torch.Tensor | None = None):
     """Every multiset of ``size`` items from ``num_types`` (sorted rows ``[K, size]``) and, with
-    ``probs`` ``[..., num_types]``, its multinomial probability ``[..., K]``."""
+    ``probs`` ``[..., num_types]``, its multinomial probability ``[..., K]``.
+
+    Parameters
+    ----------
+    num_types : int
+        The number ``n`` of distinct items, ``0 .. n-1``.
+    size : int
+        The multiset size ``G``.
+    probs : Tensor ``[..., num_types]``, optional
+        Float64 probability of each item (each batch row a distribution).
+
+    Returns
+    -------
+    combos : LongTensor ``[K, size]``
+        The ``K = C(n + G - 1, G)`` multisets, each row sorted, rows in lexicographic order.
+    prob : Tensor ``[..., K]`` or None
+        ``G!/Π_j c_j! Π_j p_j^{c_j}`` of each multiset (no gradient); None without ``probs``.
+    """
     tuples = list(itertools.combinations_with_replacement(range(num_types), size))
     combos = torch.tensor(tuples, dtype=torch.long).view(len(tuples), size)
     if probs is None:
@@ -42,7 +59,22 @@ def multisets(num_types: int, size: int, probs: torch.Tensor | None = None):
 
 
 def count_draws(mdp: TokenMDP, group_size: int, prompts_per_batch: int = 1) -> int:
-    """Number of distinct batches the exact method enumerates (zero-probability ones included)."""
+    """Number of distinct batches the exact method enumerates (zero-probability ones included).
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP (``P`` prompts, ``n`` responses per prompt).
+    group_size : int
+        ``G``, responses per group.
+    prompts_per_batch : int, default 1
+        ``B``, groups per batch.
+
+    Returns
+    -------
+    int
+        ``(P · C(n + G - 1, G))^B``.
+    """
     per_group = mdp.num_prompts * math.comb(mdp.responses_per_prompt + group_size - 1, group_size)
     return per_group ** prompts_per_batch
 
@@ -58,7 +90,26 @@ def _group_draws(mdp: TokenMDP, probs_N: torch.Tensor, group_size: int):
 
 
 def filter_equal_rewards(mdp: TokenMDP, ids: torch.Tensor, prob: torch.Tensor):
-    """DAPO's dynamic sampling: drop groups whose rewards are all equal, renormalize."""
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal, renormalize.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP (its reward table).
+    ids : LongTensor ``[D, G]``
+        The groups, as rows of ``mdp.enumerate()``.
+    prob : Tensor ``[D]``
+        The probability of each group.
+
+    Returns
+    -------
+    ids : LongTensor ``[D', G]``
+        The groups with at least two distinct rewards.
+    prob : Tensor ``[D']``
+        Their probabilities, renormalized to sum to 1.
+    p_keep : float
+        The probability that a group is kept.
+    """
     rewards = mdp.rewards[ids]
     kept = (rewards != rewards[:, :1]).any(1)
     p_keep = float(prob[kept].sum())
@@ -68,6 +119,30 @@ def filter_equal_rewards(mdp: TokenMDP, ids: torch.Tensor, prob: torch.Tensor):
 
 
 def exact_draws(mdp, probs_N, group_size, prompts_per_batch, filter_groups):
+    """Every batch of ``prompts_per_batch`` groups with nonzero probability, and that probability.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    probs_N : Tensor ``[N]``
+        ``μ(y|x)`` per response, canonical order.
+    group_size : int
+        ``G``, responses per group.
+    prompts_per_batch : int
+        ``B``, groups per batch (the batch distribution is the product of the groups').
+    filter_groups : bool
+        Drop groups whose rewards are all equal first (:func:`filter_equal_rewards`).
+
+    Returns
+    -------
+    ids : LongTensor ``[D, B * G]``
+        Each batch's responses, as rows of ``mdp.enumerate()``, group after group.
+    prob : Tensor ``[D]``
+        The probability of each batch (summing to 1).
+    p_keep : float
+        The probability that a group is kept (1.0 without ``filter_groups``).
+    """
     ids, prob = _group_draws(mdp, probs_N, group_size)
     p_keep = 1.0
     if filter_groups:
@@ -82,6 +157,35 @@ def exact_draws(mdp, probs_N, group_size, prompts_per_batch, filter_groups):
 
 def sampled_draws(mdp, probs_N, group_size, prompts_per_batch, num_samples, generator,
                    filter_groups):
+    """``num_samples`` i.i.d. batches of ``prompts_per_batch`` groups, equally weighted.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    probs_N : Tensor ``[N]``
+        ``μ(y|x)`` per response, canonical order.
+    group_size : int
+        ``G``, responses per group.
+    prompts_per_batch : int
+        ``B``, groups per batch.
+    num_samples : int
+        The number of batches.
+    generator : torch.Generator
+        The only source of randomness.
+    filter_groups : bool
+        Keep only groups with at least two distinct rewards (rejection sampling; ``ValueError``
+        when none appears among ``1000 ×`` the groups needed).
+
+    Returns
+    -------
+    ids : LongTensor ``[num_samples, B * G]``
+        Each batch's responses, as rows of ``mdp.enumerate()``, group after group.
+    prob : Tensor ``[num_samples]``
+        ``1/num_samples`` each.
+    p_keep : float
+        The fraction of drawn groups that were kept (1.0 without ``filter_groups``).
+    """
     n = mdp.responses_per_prompt
     needed = num_samples * prompts_per_batch
     per_prompt = probs_N.view(mdp.num_prompts, n)
@@ -113,6 +217,8 @@ def exchangeable_types(type_key_N: torch.Tensor, mdp: TokenMDP, probs_N: torch.T
     type_key_N : Tensor ``[N, k]``
         What another sample contributes to a sample's own gradient term (its effective reward
         and its counted tokens), per response in canonical order.
+    mdp : TokenMDP
+        The exact token MDP.
     probs_N : Tensor ``[N]``
         ``μ(y|x)`` per response.
 

@@ -33,14 +33,42 @@ __all__ = ["expected_length", "length_normalized_objective", "AggregationGradien
 
 
 def expected_length(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:
-    """``E|y| = Σ_x D(x) Σ_y π(y|x) |y|`` (differentiable)."""
+    """``E|y| = Σ_x D(x) Σ_y π(y|x) |y|`` (differentiable).
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+
+    Returns
+    -------
+    Tensor
+        The float64 scalar ``E|y|``, in tokens (EOS included).
+    """
     w = mdp.prompt_probs[mdp.terminal_prompt_index]
     return (w * sequence_probs(mdp, policy) * mdp.terminal_lengths).sum()
 
 
 def length_normalized_objective(mdp: TokenMDP, policy: nn.Module, *,
                                 baseline: float = 0.0) -> torch.Tensor:
-    """``E[(R − b)/|y|]``, the objective whose gradient ``1/|y|`` weighting follows."""
+    """``E[(R − b)/|y|]``, the objective whose gradient ``1/|y|`` weighting follows.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+    baseline : float, default 0.0
+        ``b``, subtracted from every reward.
+
+    Returns
+    -------
+    Tensor
+        The float64 scalar (differentiable).
+    """
     w = mdp.prompt_probs[mdp.terminal_prompt_index]
     return (w * sequence_probs(mdp, policy) * (mdp.rewards - baseline)
             / mdp.terminal_lengths).sum()
@@ -52,17 +80,27 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class AggregationGradient:
-    """One aggregation's exact expected gradient, compared with two objectives."""
+    """One aggregation's exact expected gradient, compared with two objectives.
+
+    Parameters
+    ----------
+    aggregation : Aggregation
+        The aggregation swapped into the estimator.
+    mean : Tensor ``[num_params]``
+        ``E[ĝ]``.
+    cosine_to_grad_J : float
+        Cosine with ``∇J``.
+    cosine_to_grad_length_normalized : float
+        Cosine with ``∇E[R/|y|]``.
+    length_slope : float
+        ``<E[ĝ], ∇E|y|>``: the first-order change of the expected length along ``E[ĝ]``.
+    """
 
     aggregation: Aggregation
     mean: torch.Tensor
-    """``E[ĝ]``."""
     cosine_to_grad_J: float
-    """Cosine with ``∇J``."""
     cosine_to_grad_length_normalized: float
-    """Cosine with ``∇E[R/|y|]``."""
     length_slope: float
-    """``<E[ĝ], ∇E|y|>``: the first-order change of the expected length along ``E[ĝ]``."""
 
 
 def aggregation_gradients(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *,
@@ -71,6 +109,26 @@ def aggregation_gradients(mdp: TokenMDP, policy: nn.Module, estimator: Estimator
     """The exact expected gradient of ``estimator`` with each aggregation swapped in.
 
     Extra keyword arguments go to :func:`~tokenmdp.exact.moments.moments`.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+    estimator : Estimator
+        The estimator whose aggregation is replaced.
+    group_size : int
+        ``G``, responses per prompt in a group.
+    aggregations : iterable of Aggregation, default every member
+        The aggregations to compare, in this order.
+    **moment_kwargs
+        Passed to :func:`~tokenmdp.exact.moments.moments` (its method, behaviour policy, ...).
+
+    Returns
+    -------
+    list of AggregationGradient
+        One per aggregation, in the order given.
     """
     grad_J = flat_grad(objective(mdp, policy), policy)
     grad_norm = flat_grad(length_normalized_objective(mdp, policy), policy)
@@ -91,6 +149,10 @@ def length_drift(mdp: TokenMDP, policy: nn.Module, estimators: dict[str, Estimat
 
     Parameters
     ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        The float64 starting policy of ``mdp`` (not modified: each run walks a copy).
     estimators : dict of name -> Estimator
     group_size : int
     steps : int
@@ -100,6 +162,8 @@ def length_drift(mdp: TokenMDP, policy: nn.Module, estimators: dict[str, Estimat
     normalize : bool
         Step along ``E[ĝ]/‖E[ĝ]‖`` so that estimators with different scales (token-sum vs
         token-mean) move the same distance per step and only their directions differ.
+    **moment_kwargs
+        Passed to :func:`~tokenmdp.exact.moments.moments`.
 
     Returns
     -------

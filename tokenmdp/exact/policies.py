@@ -54,6 +54,15 @@ def _check_generator(generator: torch.Generator) -> None:
 def check_policy(mdp: TokenMDP, policy: nn.Module, *, name: str = "policy") -> None:
     """Raise unless ``policy`` is a float64 policy built for ``mdp`` (or an identical MDP).
 
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The MDP the policy is about to be used with.
+    policy : nn.Module
+        The module to check (``token_logprobs(batch)``, float64 parameters).
+    name : str, default ``"policy"``
+        The argument's name in the error messages.
+
     Raises
     ------
     TypeError
@@ -80,6 +89,11 @@ class PrefixPolicy(nn.Module):
     """Base class of policies defined by ``logits(prompt_index, prefix)``.
 
     Subclasses implement :meth:`logits`; :meth:`level_logits` may be overridden for speed.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The MDP whose states the policy is defined on.
     """
 
     def __init__(self, mdp: TokenMDP) -> None:
@@ -89,15 +103,50 @@ class PrefixPolicy(nn.Module):
         self.mdp = mdp
 
     def logits(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, V]`` at the states given by prompt index ``[N]`` and prefix ``[N, k]``."""
+        """Logits ``[N, V]`` at the states given by prompt index ``[N]`` and prefix ``[N, k]``.
+
+        Parameters
+        ----------
+        prompt_index : LongTensor ``[N]``
+            The prompt of each state.
+        prefix : LongTensor ``[N, k]``
+            The response tokens so far of each state (all at depth ``k``).
+
+        Returns
+        -------
+        Tensor ``[N, V]``
+            Float64 logits (differentiable in the policy's parameters).
+        """
         raise NotImplementedError
 
     def level_logits(self, k: int) -> torch.Tensor:
-        """Logits ``[P * b^k, V]`` of every state at depth ``k``, in global state order."""
+        """Logits ``[P * b^k, V]`` of every state at depth ``k``, in global state order.
+
+        Parameters
+        ----------
+        k : int
+            The depth, ``0 <= k < L``.
+
+        Returns
+        -------
+        Tensor ``[P * b^k, V]``
+            Float64 logits; row ``i`` is the state ``mdp.level_offsets[k] + i``.
+        """
         return self.logits(*self.mdp.level_prefixes(k))
 
     def next_token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """Float64 ``[R, C, V]``: ``log pi(. | x, y_<t)`` at each response token, 0 elsewhere."""
+        """Float64 ``[R, C, V]``: ``log pi(. | x, y_<t)`` at each response token, 0 elsewhere.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            A batch of this MDP's prompts and responses.
+
+        Returns
+        -------
+        Tensor ``[R, C, V]``
+            The next-token log-probabilities of each response token's state.
+        """
         self.mdp.check_batch(batch)
         rpos = batch.response_position
         pidx_RC = batch.to_tokens(batch.prompt_index)
@@ -114,7 +163,18 @@ class PrefixPolicy(nn.Module):
         return out
 
     def token_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """Float64 ``[R, C]``: ``log pi(y_t | x, y_<t)`` of each response token, 0 elsewhere."""
+        """Float64 ``[R, C]``: ``log pi(y_t | x, y_<t)`` of each response token, 0 elsewhere.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            A batch of this MDP's prompts and responses.
+
+        Returns
+        -------
+        Tensor ``[R, C]``
+            The log-probability of each response token.
+        """
         lp = self.next_token_logprobs(batch)
         return lp.gather(-1, batch.tokens[..., None]).squeeze(-1) * batch.response_mask
 
@@ -140,9 +200,35 @@ class TabularPolicy(PrefixPolicy):
         self.table = nn.Parameter(table)
 
     def logits(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """The table's rows at the given states.
+
+        Parameters
+        ----------
+        prompt_index : LongTensor ``[N]``
+            The prompt of each state.
+        prefix : LongTensor ``[N, k]``
+            The response tokens so far of each state (all at depth ``k``).
+
+        Returns
+        -------
+        Tensor ``[N, V]``
+            Float64 logits.
+        """
         return self.table[self.mdp.state_index(prompt_index, prefix)]
 
     def level_logits(self, k: int) -> torch.Tensor:
+        """The table's rows of depth ``k`` (one slice, no indexing).
+
+        Parameters
+        ----------
+        k : int
+            The depth, ``0 <= k < L``.
+
+        Returns
+        -------
+        Tensor ``[P * b^k, V]``
+            Float64 logits, in global state order.
+        """
         offs = self.mdp.level_offsets
         return self.table[offs[k]:offs[k + 1]]
 
@@ -182,6 +268,20 @@ class LogLinearPolicy(PrefixPolicy):
                              persistent=False)
 
     def logits(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """``w · phi(s, a)`` for every token ``a`` at the given states.
+
+        Parameters
+        ----------
+        prompt_index : LongTensor ``[N]``
+            The prompt of each state.
+        prefix : LongTensor ``[N, k]``
+            The response tokens so far of each state (all at depth ``k``).
+
+        Returns
+        -------
+        Tensor ``[N, V]``
+            Float64 logits.
+        """
         k = prefix.shape[1]
         prev = prefix[:, -1] if k > 0 else self.prompt_last[prompt_index]
         counts = torch.nn.functional.one_hot(prefix, self.mdp.vocab_size).sum(1)  # [N, V]
@@ -225,6 +325,20 @@ class NeuralPolicy(PrefixPolicy):
                              persistent=False)
 
     def logits(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """The MLP's output at the given states.
+
+        Parameters
+        ----------
+        prompt_index : LongTensor ``[N]``
+            The prompt of each state.
+        prefix : LongTensor ``[N, k]``
+            The response tokens so far of each state (all at depth ``k``).
+
+        Returns
+        -------
+        Tensor ``[N, V]``
+            Float64 logits.
+        """
         k = prefix.shape[1]
         prev = prefix[:, -1] if k > 0 else self.prompt_last[prompt_index]
         h = self.emb_prompt[prompt_index] + self.emb_depth[k] + self.emb_prev[prev]

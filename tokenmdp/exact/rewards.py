@@ -23,11 +23,31 @@ def _np(x) -> np.ndarray:
 
 
 class Reward:
-    """Base class: subclasses implement :meth:`vectorized`; ``__call__`` evaluates one sequence."""
+    """Base class: subclasses implement :meth:`~Reward.vectorized`; ``__call__`` evaluates one
+    sequence."""
 
     def vectorized(self, prompts: Sequence[tuple[int, ...]], prompt_index, responses, lengths, *,
                    eos: int) -> np.ndarray:
-        """Rewards ``[N]`` of responses ``[N, L]`` (EOS-padded) with ``lengths`` ``[N]``."""
+        """Rewards ``[N]`` of responses ``[N, L]`` (EOS-padded) with ``lengths`` ``[N]``.
+
+        Parameters
+        ----------
+        prompts : sequence of tuple of int
+            The MDP's prompts, as token tuples.
+        prompt_index : array ``[N]``
+            The prompt of each response (index into ``prompts``).
+        responses : array ``[N, L]``
+            Integer response tokens, padded with ``eos`` after the response's end.
+        lengths : array ``[N]``
+            Response lengths ``|y|`` (EOS included when the response has one).
+        eos : int
+            The EOS token id.
+
+        Returns
+        -------
+        ndarray ``[N]``
+            Float64 rewards.
+        """
         raise NotImplementedError
 
     def __call__(self, prompt: Sequence[int], response: Sequence[int], *, eos: int | None = None
@@ -76,6 +96,18 @@ class ExactMatch(Reward):
         self.eos = eos
 
     def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        """1.0 where the response equals its prompt's target, else 0.0.
+
+        Parameters
+        ----------
+        prompts, prompt_index, responses, lengths, eos
+            As for :meth:`Reward.vectorized`.
+
+        Returns
+        -------
+        ndarray ``[N]``
+            Float64 rewards.
+        """
         responses, lengths, pidx = _np(responses), _np(lengths), _np(prompt_index)
         out = np.zeros(len(lengths))
         for p, prompt in enumerate(prompts):
@@ -92,7 +124,15 @@ class ExactMatch(Reward):
 
 
 class ContainsPattern(Reward):
-    """1 when the pattern occurs as a contiguous run of the response's tokens, else 0."""
+    """1 when the pattern occurs as a contiguous run of the response's tokens, else 0.
+
+    Parameters
+    ----------
+    pattern : sequence of int
+        The tokens to look for, non-empty (EOS may be part of it).
+    eos : int, optional
+        EOS id, needed only to call the reward on a single sequence outside an MDP.
+    """
 
     def __init__(self, pattern: Sequence[int], *, eos: int | None = None) -> None:
         self.pattern = tuple(int(t) for t in pattern)
@@ -101,6 +141,18 @@ class ContainsPattern(Reward):
         self.eos = eos
 
     def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        """1.0 where the pattern occurs within the response's length, else 0.0.
+
+        Parameters
+        ----------
+        prompts, prompt_index, responses, lengths, eos
+            As for :meth:`Reward.vectorized`.
+
+        Returns
+        -------
+        ndarray ``[N]``
+            Float64 rewards.
+        """
         responses, lengths = _np(responses), _np(lengths)
         n, width = responses.shape
         m = len(self.pattern)
@@ -112,19 +164,49 @@ class ContainsPattern(Reward):
 
 
 class TokenCount(Reward):
-    """``scale`` x the number of occurrences of ``token`` in the response."""
+    """``scale`` x the number of occurrences of ``token`` in the response.
+
+    Parameters
+    ----------
+    token : int
+        The token counted (EOS never counts).
+    scale : float, default 1.0
+        The reward per occurrence.
+    eos : int, optional
+        EOS id, needed only to call the reward on a single sequence outside an MDP.
+    """
 
     def __init__(self, token: int, *, scale: float = 1.0, eos: int | None = None) -> None:
         self.token, self.scale, self.eos = int(token), float(scale), eos
 
     def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        """``scale`` times the count of ``token`` among each response's non-EOS tokens.
+
+        Parameters
+        ----------
+        prompts, prompt_index, responses, lengths, eos
+            As for :meth:`Reward.vectorized`.
+
+        Returns
+        -------
+        ndarray ``[N]``
+            Float64 rewards.
+        """
         responses, lengths = _np(responses), _np(lengths)
         mask = _content_mask(responses, lengths, eos)
         return self.scale * ((responses == self.token) & mask).sum(1).astype(np.float64)
 
 
 class Parity(Reward):
-    """1 when the sum of the response's non-EOS token ids has the given parity (0 even, 1 odd)."""
+    """1 when the sum of the response's non-EOS token ids has the given parity (0 even, 1 odd).
+
+    Parameters
+    ----------
+    parity : {0, 1}, default 0
+        The rewarded parity of the sum.
+    eos : int, optional
+        EOS id, needed only to call the reward on a single sequence outside an MDP.
+    """
 
     def __init__(self, parity: int = 0, *, eos: int | None = None) -> None:
         if parity not in (0, 1):
@@ -132,6 +214,18 @@ class Parity(Reward):
         self.parity, self.eos = parity, eos
 
     def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        """1.0 where the sum of the non-EOS tokens has the parity, else 0.0.
+
+        Parameters
+        ----------
+        prompts, prompt_index, responses, lengths, eos
+            As for :meth:`Reward.vectorized`.
+
+        Returns
+        -------
+        ndarray ``[N]``
+            Float64 rewards.
+        """
         responses, lengths = _np(responses), _np(lengths)
         total = np.where(_content_mask(responses, lengths, eos), responses, 0).sum(1)
         return (total % 2 == self.parity).astype(np.float64)
@@ -142,6 +236,17 @@ class LengthReward(Reward):
 
     With ``per_token < 0`` long responses are worse (wrong answers ramble), with ``per_token > 0``
     better; ``content`` adds any other reward. Used for the length-bias studies.
+
+    Parameters
+    ----------
+    per_token : float
+        The reward per response token ``|y|`` (EOS included).
+    base : float, default 0.0
+        A constant added to every reward.
+    content : Reward, optional
+        A reward added on top (its ``vectorized`` is used).
+    eos : int, optional
+        EOS id, needed only to call the reward on a single sequence outside an MDP.
     """
 
     def __init__(self, per_token: float, *, base: float = 0.0, content: Reward | None = None,
@@ -149,6 +254,18 @@ class LengthReward(Reward):
         self.per_token, self.base, self.content, self.eos = float(per_token), float(base), content, eos
 
     def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        """``base + per_token |y|``, plus ``content``'s rewards when given.
+
+        Parameters
+        ----------
+        prompts, prompt_index, responses, lengths, eos
+            As for :meth:`Reward.vectorized`.
+
+        Returns
+        -------
+        ndarray ``[N]``
+            Float64 rewards.
+        """
         lengths = _np(lengths)
         out = self.base + self.per_token * lengths.astype(np.float64)
         if self.content is not None:
@@ -182,6 +299,8 @@ class RandomTable(Reward):
         Range of the uniform values.
     binary_p : float, optional
         If given, rewards are 1 with probability ``binary_p`` and 0 otherwise.
+    eos : int, optional
+        EOS id, needed only to call the reward on a single sequence outside an MDP.
     """
 
     def __init__(self, seed: int, *, low: float = 0.0, high: float = 1.0,
@@ -192,6 +311,18 @@ class RandomTable(Reward):
                                                                     float(high), binary_p, eos)
 
     def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        """The table's value of each (prompt, response), from the hash.
+
+        Parameters
+        ----------
+        prompts, prompt_index, responses, lengths, eos
+            As for :meth:`Reward.vectorized`.
+
+        Returns
+        -------
+        ndarray ``[N]``
+            Float64 rewards.
+        """
         responses, lengths, pidx = _np(responses), _np(lengths), _np(prompt_index)
         prompt_hash = np.empty(len(prompts), dtype=np.uint64)
         for p, prompt in enumerate(prompts):
@@ -218,6 +349,22 @@ class OverlongPenalty(Reward):
     ``L_max - L_cache < |y| <= L_max``; ``-1`` beyond; ``penalty`` scales the term. A response
     cut at the limit without EOS exceeded the budget, so with ``truncated_is_overlong`` (default)
     it gets ``-1`` too.
+
+    Parameters
+    ----------
+    base : callable
+        The base reward: a :class:`Reward` (its ``vectorized`` is used) or any
+        ``base(prompt, response) -> float``.
+    max_len : int
+        ``L_max``, the length budget.
+    cache_len : int
+        ``L_cache``, the soft-punishment interval, ``1 <= cache_len <= max_len``.
+    penalty : float, default 1.0
+        The scale of the length term.
+    truncated_is_overlong : bool, default True
+        A response that reaches ``max_len`` without EOS gets the full ``-penalty``.
+    eos : int, optional
+        EOS id, needed only to call the reward on a single sequence outside an MDP.
     """
 
     def __init__(self, base: Callable[..., float], *, max_len: int, cache_len: int,
@@ -229,7 +376,22 @@ class OverlongPenalty(Reward):
         self.truncated_is_overlong, self.eos = truncated_is_overlong, eos
 
     def length_term(self, responses, lengths, *, eos) -> np.ndarray:
-        """The penalty term alone, ``[N]``."""
+        """The penalty term alone, ``[N]``.
+
+        Parameters
+        ----------
+        responses : array ``[N, L]``
+            Integer response tokens, EOS-padded.
+        lengths : array ``[N]``
+            Response lengths ``|y|``.
+        eos : int
+            The EOS token id.
+
+        Returns
+        -------
+        ndarray ``[N]``
+            Float64 ``penalty · R_len(y)``, in ``[-penalty, 0]`` for ``penalty >= 0``.
+        """
         responses, lengths = _np(responses), _np(lengths).astype(np.float64)
         start = self.max_len - self.cache_len
         term = np.where(lengths <= start, 0.0, (start - lengths) / self.cache_len)
@@ -241,6 +403,18 @@ class OverlongPenalty(Reward):
         return self.penalty * term
 
     def vectorized(self, prompts, prompt_index, responses, lengths, *, eos):
+        """The base reward plus :meth:`length_term`.
+
+        Parameters
+        ----------
+        prompts, prompt_index, responses, lengths, eos
+            As for :meth:`Reward.vectorized`.
+
+        Returns
+        -------
+        ndarray ``[N]``
+            Float64 rewards.
+        """
         vec = getattr(self.base, "vectorized", None)
         if vec is not None:
             base = vec(prompts, prompt_index, responses, lengths, eos=eos)

@@ -30,8 +30,13 @@ def sample(mdp: TokenMDP, policy: PrefixPolicy, n: int, *, generator: torch.Gene
         Number of responses, a positive multiple of ``group_size``.
     generator : torch.Generator
         The only source of randomness.
-    group_size : int
+    group_size : int, default 1
         Responses per prompt draw.
+
+    Returns
+    -------
+    TokenBatch
+        ``n`` sequences with ``behavior_logprob``, ``reward`` and ``group`` set.
     """
     check_policy(mdp, policy)
     if not isinstance(policy, PrefixPolicy):

@@ -33,6 +33,20 @@ def state_action_jacobian(mdp: TokenMDP, policy: nn.Module, *, chunk: int = 256)
     Row ``s * V + a``; columns in ``policy.parameters()`` order. For a :class:`TabularPolicy` it
     is the closed form ``∂ log π(a|s) / ∂ z_{s', b} = 1[s = s'] (1[a = b] − π(b|s))``; for any
     other policy it is computed with batched vector-Jacobian products (``chunk`` rows at a time).
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        A float64 policy of ``mdp``.
+    chunk : int, default 256
+        Rows per batched vector-Jacobian product (memory against speed; non-tabular only).
+
+    Returns
+    -------
+    Tensor ``[num_states * V, num_params]``
+        The float64 Jacobian (no gradient).
     """
     check_policy(mdp, policy)
     if type(policy) is TabularPolicy:
@@ -143,6 +157,23 @@ class StepGradients:
         ∇_θ log π(pair)`` with ``pair = state * V + action``. With ``first_only`` only the first
         sequence's own term ``g_1`` is kept (its tokens' coefficients, computed in the presence of
         the others), as the exchangeability method needs.
+
+        Parameters
+        ----------
+        ids : LongTensor ``[D, width]``
+            Each batch's sequences, as rows of ``mdp.enumerate()`` (``width`` a multiple of
+            ``group_size``).
+        first_only : bool, default False
+            Keep only the tokens of each batch's first sequence.
+
+        Returns
+        -------
+        draw : LongTensor ``[T]``
+            The batch (row of ``ids``) of each loss token.
+        pair : LongTensor ``[T]``
+            Its state-action pair ``state * V + action``.
+        coef : Tensor ``[T]``
+            Its coefficient ``c_t = −∂loss/∂log π(y_t|s_t)``.
         """
         batch, step = self._stacked(ids)
         batch = prepare(batch, self.estimator, step=step, max_len=self.mdp.max_len)
@@ -158,12 +189,36 @@ class StepGradients:
 
     def dense(self, draw: torch.Tensor, pair: torch.Tensor, coef: torch.Tensor,
               num_draws: int) -> torch.Tensor:
-        """The coefficient matrix ``[num_draws, num_states * V]``."""
+        """The coefficient matrix ``[num_draws, num_states * V]``.
+
+        Parameters
+        ----------
+        draw, pair, coef : Tensor ``[T]``
+            Per-token batch, state-action pair and coefficient (:meth:`coefficients`).
+        num_draws : int
+            The number of batches (rows of the matrix).
+
+        Returns
+        -------
+        Tensor ``[num_draws, num_states * V]``
+            Float64; the coefficients of a batch's tokens summed per state-action pair.
+        """
         C = torch.zeros(num_draws, self.num_pairs, dtype=torch.float64)
         return C.index_put_((draw, pair), coef, accumulate=True)
 
     def to_params(self, C: torch.Tensor) -> torch.Tensor:
-        """Map coefficient rows ``[n, num_states * V]`` to gradients ``[n, num_params]``."""
+        """Map coefficient rows ``[n, num_states * V]`` to gradients ``[n, num_params]``.
+
+        Parameters
+        ----------
+        C : Tensor ``[n, num_states * V]``
+            Coefficient rows (:meth:`dense`).
+
+        Returns
+        -------
+        Tensor ``[n, num_params]``
+            ``C`` times the state-action Jacobian (closed form for a tabular policy).
+        """
         if self.jacobian is not None:
             return C @ self.jacobian
         C = C.view(C.shape[0], -1, self.mdp.vocab_size)
@@ -175,6 +230,20 @@ class StepGradients:
 
         ``one_path``: each draw's tokens come from one response, so its states are distinct and
         ``‖ĝ‖² = Σ_t c_t² ‖e_{a_t} − π(·|s_t)‖² = Σ_t c_t² (1 − 2π(a_t|s_t) + ‖π(·|s_t)‖²)``.
+
+        Parameters
+        ----------
+        draw, pair, coef : Tensor ``[T]``
+            Per-token batch, state-action pair and coefficient (:meth:`coefficients`).
+        num_draws : int
+            The number of batches.
+        one_path : bool, default False
+            Every batch's tokens come from one response (tabular shortcut above).
+
+        Returns
+        -------
+        Tensor ``[num_draws]``
+            Float64 ``‖ĝ_draw‖²`` of each batch.
         """
         if self.jacobian is not None:
             g = self.to_params(self.dense(draw, pair, coef, num_draws))
@@ -198,13 +267,45 @@ class StepGradients:
         return self.to_params(self.dense(draw, pair, coef, ids.shape[0]))
 
     def blocks(self, ids: torch.Tensor, **kwargs):
-        """Yield ``(slice, ĝ)`` over ``ids`` in memory-bounded blocks."""
+        """Yield ``(slice, ĝ)`` over ``ids`` in memory-bounded blocks.
+
+        Parameters
+        ----------
+        ids : LongTensor ``[D, width]``
+            Each batch's sequences, as rows of ``mdp.enumerate()``.
+        **kwargs
+            ``first_only``, as for :meth:`coefficients`.
+
+        Yields
+        ------
+        slice
+            The rows of ``ids`` in this block (:attr:`chunk` of them at most).
+        Tensor ``[rows, num_params]``
+            Their gradients ``ĝ``.
+        """
         for start in range(0, ids.shape[0], self.chunk):
             sl = slice(start, start + self.chunk)
             yield sl, self(ids[sl], **kwargs)
 
     def sparse_blocks(self, ids: torch.Tensor, *, block: int = 65536, **kwargs):
-        """Yield ``(slice, (draw, pair, coef))`` over ``ids``; ``draw`` is relative to the slice."""
+        """Yield ``(slice, (draw, pair, coef))`` over ``ids``; ``draw`` is relative to the slice.
+
+        Parameters
+        ----------
+        ids : LongTensor ``[D, width]``
+            Each batch's sequences, as rows of ``mdp.enumerate()``.
+        block : int, default 65536
+            Batches per block.
+        **kwargs
+            ``first_only``, as for :meth:`coefficients`.
+
+        Yields
+        ------
+        slice
+            The rows of ``ids`` in this block.
+        tuple of Tensor
+            Their ``(draw, pair, coef)`` (:meth:`coefficients`).
+        """
         for start in range(0, ids.shape[0], block):
             sl = slice(start, start + block)
             yield sl, self.coefficients(ids[sl], **kwargs)
