@@ -161,7 +161,7 @@ def get(name: str) -> Exercise:
     Parameters
     ----------
     name : str
-        An exercise name (:func:`names`).
+        An exercise name (:func:`tokenmdp.exercises.names`).
 
     Returns
     -------
@@ -191,7 +191,7 @@ def expected(name: str) -> float:
     Parameters
     ----------
     name : str
-        An exercise name (:func:`names`).
+        An exercise name (:func:`tokenmdp.exercises.names`).
 
     Returns
     -------
@@ -239,7 +239,7 @@ def check(name: str, value) -> None:
     Parameters
     ----------
     name : str
-        The exercise (:func:`names`), e.g. ``"tr06_first_order_gap"``.
+        The exercise (:func:`tokenmdp.exercises.names`), e.g. ``"tr06_first_order_gap"``.
     value : float, int, NumPy scalar or one-element tensor
         Your answer.
 

@@ -45,7 +45,7 @@ def copy_task() -> tuple[TokenMDP, TabularPolicy]:
     Tokens ``{0, 1, EOS = 2}``, responses of at most 3 tokens, prompts ``(0,)`` and ``(1,)`` with
     probabilities 0.6 and 0.4; reward +1 per response token that copies the prompt token and −1
     for a truncated response. The policy is a :class:`~tokenmdp.exact.TabularPolicy` with
-    ``N(0, 1)`` logits from seed :data:`COPY_TASK_SEED` (float64).
+    ``N(0, 1)`` logits from the seed ``COPY_TASK_SEED`` (float64).
 
     Returns
     -------
