@@ -37,12 +37,38 @@ __all__ = ["KLPenalty", "kl_k1", "kl_k2", "kl_k3"]
 
 
 def kl_k1(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Tensor:
-    """``k1 = -log r = log π_θ - log π_ref`` (Schulman 2020)."""
+    """``k1 = -log r = log π_θ - log π_ref`` (Schulman 2020).
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable).
+    ref_logprobs_RC : Tensor ``[R, C]``
+        ``log π_ref`` of each token.
+
+    Returns
+    -------
+    Tensor ``[R, C]``
+        ``k1`` of each token (of either sign; unbiased for the KL).
+    """
     return logprobs_RC - ref_logprobs_RC
 
 
 def kl_k2(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Tensor:
-    """``k2 = ½ (log r)²``, ``log r = log π_ref - log π_θ`` (Schulman 2020)."""
+    """``k2 = ½ (log r)²``, ``log r = log π_ref - log π_θ`` (Schulman 2020).
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable).
+    ref_logprobs_RC : Tensor ``[R, C]``
+        ``log π_ref`` of each token.
+
+    Returns
+    -------
+    Tensor ``[R, C]``
+        ``k2 >= 0`` of each token.
+    """
     return 0.5 * (ref_logprobs_RC - logprobs_RC).square()
 
 
@@ -56,6 +82,18 @@ def kl_k3(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Ten
     ``-log r`` part carries gradient). The derivative ``∂k/∂log π_θ = 1 - r`` is attached by
     ``with_derivative`` (a one-product backward pass; the reference log-probs are data and get
     no gradient).
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable).
+    ref_logprobs_RC : Tensor ``[R, C]``
+        ``log π_ref`` of each token.
+
+    Returns
+    -------
+    Tensor ``[R, C]``
+        ``k3 >= 0`` of each token.
     """
     with torch.no_grad():  # in place where possible: these passes are bound by memory
         log_r = ref_logprobs_RC - logprobs_RC
@@ -67,18 +105,32 @@ def kl_k3(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Ten
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KLPenalty:
-    """A KL penalty ``β · k`` to a reference policy, placed in the reward or in the loss."""
+    """A KL penalty ``β · k`` to a reference policy, placed in the reward or in the loss.
+
+    All parameters are keyword-only.
+
+    Parameters
+    ----------
+    coef : float
+        ``β >= 0`` (GRPO 0.04).
+    in_reward : bool
+        True: ``R_i ← R_i - β Σ_t k_t`` before advantages, with ``k`` at ``π_old`` (detached
+        data); False: ``β k_t`` is subtracted from each token's term in the loss.
+    estimator : callable, default :func:`kl_k3`
+        ``k(logprobs_RC, ref_logprobs_RC) -> [R, C]``: :func:`kl_k1`, :func:`kl_k2` or
+        :func:`kl_k3`.
+    importance_weighted : bool, default False
+        Loss placement only: multiply each ``k_t`` by ``sg(π_θ/μ)`` (needs
+        ``behavior_logprob``).
+    """
 
     coef: float
-    """``β >= 0`` (GRPO 0.04)."""
     in_reward: bool
-    """True: ``R_i ← R_i - β Σ_t k_t`` before advantages, with ``k`` at ``π_old`` (detached data);
-    False: ``β k_t`` is subtracted from each token's term in the loss."""
     estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = kl_k3
-    """``k(logprobs_RC, ref_logprobs_RC) -> [R, C]``: :func:`kl_k1`, :func:`kl_k2` or
-    :func:`kl_k3`."""
+    # The default is a function: autodoc would list the field as a method carrying kl_k3's
+    # docstring. Private to autodoc; the field is documented in the class's Parameters.
+    """:meta private:"""
     importance_weighted: bool = False
-    """Loss placement only: multiply each ``k_t`` by ``sg(π_θ/μ)`` (needs ``behavior_logprob``)."""
 
     def __post_init__(self):
         check_nonnegative("coef", self.coef)
@@ -96,7 +148,18 @@ class KLPenalty:
         return ("ref_logprob", "behavior_logprob") if self.importance_weighted else ("ref_logprob",)
 
     def reward_penalty(self, batch: TokenBatch) -> torch.Tensor:
-        """Float ``[S]``: ``β Σ_t k(log π_old, log π_ref)`` over each sequence's loss tokens."""
+        """Float ``[S]``: ``β Σ_t k(log π_old, log π_ref)`` over each sequence's loss tokens.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            The batch, with ``old_logprob`` and ``ref_logprob``.
+
+        Returns
+        -------
+        Tensor ``[S]``
+            The penalty of each sequence, to subtract from its reward.
+        """
         who = "a KL penalty in the reward"
         k = self.estimator(require(batch, "old_logprob", who), require(batch, "ref_logprob", who))
         return self.coef * sequence_sum(torch.where(batch.loss_mask, k, 0.0), batch)
@@ -106,7 +169,23 @@ class KLPenalty:
         """``(k, w)`` per token ``[R, C]``: ``k = k(log π_θ, log π_ref)`` (differentiable) and the
         detached importance weight ``w = sg(π_θ/μ)`` (None unless ``importance_weighted``); the
         penalty is ``β · w · k``. The loss folds ``β`` and ``w`` into its detached weights, so
-        neither is on the autograd graph."""
+        neither is on the autograd graph.
+
+        Parameters
+        ----------
+        logprobs_RC : Tensor ``[R, C]``
+            ``log π_θ`` of each token (differentiable).
+        batch : TokenBatch
+            The batch, with ``ref_logprob`` (and ``behavior_logprob`` when importance-weighted).
+
+        Returns
+        -------
+        k : Tensor ``[R, C]``
+            The estimator's ``k_t`` of each token.
+        w : Tensor ``[R, C]`` or None
+            The detached weight ``sg(π_θ/μ)``, capped at ``e^20``; None unless
+            ``importance_weighted``.
+        """
         who = "a KL penalty in the loss"
         k = self.estimator(logprobs_RC, require(batch, "ref_logprob", who))
         weight = None
@@ -117,7 +196,13 @@ class KLPenalty:
         return k, weight
 
     def describe(self) -> str:
-        """Short label for tables."""
+        """Short label for tables.
+
+        Returns
+        -------
+        str
+            For example ``"k3 in loss, coef=0.04"``.
+        """
         name = getattr(self.estimator, "__name__", repr(self.estimator)).removeprefix("kl_")
         place = "reward" if self.in_reward else "loss"
         weighted = ", IS-weighted" if self.importance_weighted else ""
