@@ -26,9 +26,10 @@ from tokenmdp.estimators._common import (
 )
 from tokenmdp.estimators.advantages import Advantage, RewardAsAdvantage
 from tokenmdp.estimators.aggregation import Aggregation, count_step, loss_weights
-from tokenmdp.estimators.corrections import Correction, NoCorrection
+from tokenmdp.estimators.corrections import Correction, Level, NoCorrection
 from tokenmdp.estimators.kl import KLPenalty
 from tokenmdp.estimators.surrogates import Surrogate
+from tokenmdp.estimators.weight_diagnostics import correction_diagnostics
 
 __all__ = ["Estimator", "advantage_rewards", "counted_mask", "loss",
            "per_micro_batch_token_mean_loss", "prepare", "step_counts"]
@@ -294,10 +295,14 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator
         mask was active) and ``masked_fraction`` (rejected by masked IS); when ``old_logprob`` is
         present ``r_min/r_mean/r_max`` (``r = π_θ/π_old``), when ``behavior_logprob`` is present
         ``rho_min/rho_mean/rho_max`` (``ρ = π_θ/μ``), with both ``train_infer_kl_k1/k3``
-        (``KL(μ ‖ π_old)`` per token, k1 and k3 forms), and with a KL-in-loss penalty
-        ``kl_ref`` (mean of its estimator ``k(π_θ, π_ref)``). Over zero loss tokens fractions
-        and KLs are 0 and ratio statistics 1 (neutral values, no NaN); an empty batch (no
-        sequences) gives loss 0, these neutral metrics and a zero gradient.
+        (``KL(μ ‖ π_old)`` per token, k1 and k3 forms) and ``is_ess``/``is_chi2`` (the
+        normalized effective sample size and χ² estimate of the token weights ``π_old/μ``;
+        ``is_seq_ess``/``is_seq_chi2`` of the sequence weights too when the correction acts per
+        sequence or geometric mean; :mod:`~tokenmdp.estimators.weight_diagnostics`), and with
+        a KL-in-loss penalty ``kl_ref`` (mean of its estimator ``k(π_θ, π_ref)``). Over zero
+        loss tokens fractions, KLs and χ² are 0 and ratio statistics and ESS 1 (neutral
+        values, no NaN); an empty batch (no sequences) gives loss 0, these neutral metrics and
+        a zero gradient.
 
     ``estimator`` may also be a registry name (``"grpo"``). Half-precision batches are refused
     (``TypeError``): the ratio cap ``e^20`` and the metrics overflow in float16.
@@ -325,6 +330,9 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator
         total = total + logprobs_RC.sum()                      # gradient, not a graph error
     with torch.no_grad():
         metrics = _metrics(logprobs_RC, batch, terms, factor.keep_RC, k_RC)
+        if batch.old_logprob is not None and batch.behavior_logprob is not None:
+            level = getattr(estimator.correction, "level", Level.TOKEN)
+            metrics.update(correction_diagnostics(batch, sequence=level is not Level.TOKEN))
     return total, metrics
 
 
