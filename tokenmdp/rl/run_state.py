@@ -36,6 +36,7 @@ from tokenmdp.distributed import (
     data_parallel_loss_scale,
     rank_and_world_size,
 )
+from tokenmdp.estimators.weight_diagnostics import batch_weight_sums, diagnostics_from_sums
 from tokenmdp.model import MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing
 from tokenmdp.rl.checkpoint import check_model_config, load_checkpoint, save_checkpoint
@@ -188,7 +189,9 @@ class _Run:
                     entropy=float(ent_RC[mask].double().sum()),
                     kl_k1=training_inference_kl(batch, kind="k1") * tokens,
                     kl_k3=training_inference_kl(batch, kind="k3") * tokens,
-                    mismatch=mismatch, routed=routed)
+                    mismatch=mismatch, routed=routed,
+                    # ESS and χ² of π_old/μ; per sequence too when the correction acts per sequence
+                    **batch_weight_sums(batch, sequence=self._sequence_correction()))
         g = dict(zip(sums, all_reduce_floats(list(sums.values()), device=self.device)))
         n, t = g["seqs"], max(g["tokens"], 1.0)
         mean_reward = g["reward"] / n
@@ -197,8 +200,14 @@ class _Run:
                  "train_accuracy": g["correct"] / n, "response_length": g["length"] / n,
                  "entropy": g["entropy"] / t, "train_infer_kl_k1": g["kl_k1"] / t,
                  "train_infer_kl_k3": g["kl_k3"] / t,
-                 "routing_mismatch": g["mismatch"] / g["routed"] if g["routed"] else 0.0}
+                 "routing_mismatch": g["mismatch"] / g["routed"] if g["routed"] else 0.0,
+                 **diagnostics_from_sums(g)}
         return batch, stats
+
+    def _sequence_correction(self) -> bool:
+        """Whether the estimator's correction acts per sequence (product or geometric mean)."""
+        level = getattr(self.est.correction, "level", estimators.Level.TOKEN)
+        return level is not estimators.Level.TOKEN
 
     def demonstrations(self) -> tuple[TokenBatch, dict[str, float]]:
         examples = self._share(self.task.sample(self.cfg.prompts_per_step, self.rng,
