@@ -7,6 +7,8 @@ tables, the "what verl / TRL / others call this" box, and figure finishing.
 * :func:`table` and :func:`alias_box` — objects that render as HTML in a notebook and as plain
   text in a terminal; :func:`show` displays either in both places;
 * :func:`finish` — title, axis labels, legend and readable ticks on a Matplotlib axis.
+* :func:`kl_world`, :func:`kl_placement_moments`, :func:`kl_matches`, :func:`kl_gradient_table`
+  and :func:`mean_and_sd` — tutorial 8's worlds, its gradient table and Monte Carlo error bars.
 
 Nothing here is needed by the lower layers; it sits beside :mod:`tokenmdp.cards` and
 :mod:`tokenmdp.plots`.
@@ -295,3 +297,151 @@ def finish(ax, *, title: str, xlabel: str, ylabel: str, legend: bool = True,
     ax.grid(True, ls=":", lw=0.6, alpha=0.7)
     if legend:
         ax.legend(fontsize=legend_fontsize)
+
+
+# ---------------------------------------------------------------------- tutorial 8: KL
+#: Tutorial 8's policy: ``π_ref`` moved by this distance along ``∇J(π_ref)`` (:func:`kl_world`).
+KL_WORLD_STEP = 3.0
+#: Tutorial 8's behaviour policy ``μ``: ``π_ref`` moved by this distance (half-way to ``π``).
+KL_WORLD_STALE_STEP = 1.5
+
+__all__ += ["kl_gradient_table", "kl_matches", "kl_placement_moments", "kl_world",
+            "mean_and_sd"]
+
+
+def kl_world(max_len: int) -> tuple[TokenMDP, nn.Module, TabularPolicy, nn.Module]:
+    """Tutorial 8's worlds: the copy task with responses of at most ``max_len`` tokens.
+
+    ``max_len = 1`` is a bandit (one action per prompt), ``max_len >= 2`` a sequence task. The
+    reference ``π_ref`` is the seeded tabular policy of :func:`copy_task`; the trained policy is
+    ``π = step_along(π_ref, ∇J(π_ref), KL_WORLD_STEP)`` and the behaviour policy of the
+    off-policy section ``μ = step_along(π_ref, ∇J(π_ref), KL_WORLD_STALE_STEP)`` (an older
+    iterate that sampled the data).
+
+    Parameters
+    ----------
+    max_len : int
+        The response-length limit ``L >= 1``.
+
+    Returns
+    -------
+    (TokenMDP, nn.Module, TabularPolicy, nn.Module)
+        ``(mdp, π, π_ref, μ)``, fresh on every call (float64).
+    """
+    from tokenmdp.exact import gradient
+
+    mdp = TokenMDP(3, max_len, _copy_reward, prompts=[(0,), (1,)], prompt_probs=[0.6, 0.4])
+    reference = TabularPolicy(mdp, generator=torch.Generator().manual_seed(COPY_TASK_SEED),
+                              init_std=1.0)
+    direction = gradient(mdp, reference)
+    return (mdp, step_along(reference, direction, KL_WORLD_STEP), reference,
+            step_along(reference, direction, KL_WORLD_STALE_STEP))
+
+
+def kl_placement_moments(mdp: TokenMDP, policy: nn.Module, reference: nn.Module, *,
+                         coef: float = 1.0) -> dict[str, object]:
+    """Exact moments of the six placements k1/k2/k3 × in the reward / in the loss, on-policy.
+
+    Each entry is :func:`tokenmdp.exact.kl_gradients.kl_penalty_moments` of
+    ``KLPenalty(coef=coef, in_reward=..., estimator=kl_k1 | kl_k2 | kl_k3)``.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+    policy, reference : nn.Module
+        ``π_θ`` and ``π_ref``.
+    coef : float
+        ``β > 0``.
+
+    Returns
+    -------
+    dict of str to Moments
+        Keyed ``"k1 in reward"``, ``"k1 in loss"``, ..., ``"k3 in loss"``.
+    """
+    from tokenmdp.exact.kl_gradients import kl_penalty_moments
+
+    out = {}
+    for estimator in (estimators.kl_k1, estimators.kl_k2, estimators.kl_k3):
+        for in_reward in (True, False):
+            name = f"{estimator.__name__.removeprefix('kl_')} in {'reward' if in_reward else 'loss'}"
+            penalty = estimators.KLPenalty(coef=coef, in_reward=in_reward, estimator=estimator)
+            out[name] = kl_penalty_moments(mdp, policy, reference, penalty)
+    return out
+
+
+def kl_matches(placements: dict, targets: dict[str, torch.Tensor], *, coef: float = 1.0,
+               tol: float = 1e-10) -> dict[str, tuple[str, ...]]:
+    """Which targets each placement's expected penalty gradient ``−E[ĝ]/β`` equals.
+
+    Parameters
+    ----------
+    placements : dict of str to Moments
+        As :func:`kl_placement_moments` returns them.
+    targets : dict of str to Tensor
+        As :meth:`tokenmdp.exact.kl_gradients.KLGradients.targets` returns them.
+    coef : float
+        The ``β`` the placements were computed with.
+    tol : float
+        Largest ``‖−E[ĝ]/β − target‖ / ‖∇KL(π‖π_ref)‖`` counted as equal.
+
+    Returns
+    -------
+    dict of str to tuple of str
+        The matching target names of each placement, in ``targets`` order (empty: none).
+    """
+    scale = float(targets["reverse KL"].norm())
+    return {name: tuple(t for t, g in targets.items()
+                        if float((-m.mean / coef - g).norm()) <= tol * scale)
+            for name, m in placements.items()}
+
+
+def kl_gradient_table(placements: dict, targets: dict[str, torch.Tensor], *,
+                      coef: float = 1.0, tol: float = 1e-10) -> Rendered:
+    """The gradient table: each placement's distance to each target, its variance, its match.
+
+    A cell is ``‖−E[ĝ]/β − target‖ / ‖∇KL(π‖π_ref)‖`` (0 where the placement delivers that
+    gradient in expectation); ``Var/β²`` is the exact total variance of ``ĝ/β``.
+
+    Parameters
+    ----------
+    placements, targets, coef, tol
+        As for :func:`kl_matches`.
+
+    Returns
+    -------
+    Rendered
+        The table, one row per placement.
+    """
+    matches = kl_matches(placements, targets, coef=coef, tol=tol)
+    scale = float(targets["reverse KL"].norm())
+    rows = [(name, *[float((-m.mean / coef - g).norm()) / scale for g in targets.values()],
+             m.total_variance / coef ** 2, " = ".join(matches[name]) or "none of these")
+            for name, m in placements.items()]
+    return table(rows, ["placement", *[f"to {t}" for t in targets], "Var/β²", "delivers"],
+                 fmt=".3f")
+
+
+def mean_and_sd(samples: torch.Tensor) -> tuple[float, float, float, float]:
+    """Sample mean and standard deviation of ``samples``, each with its standard error.
+
+    The standard error of the standard deviation is the delta-method one,
+    ``sqrt((m4 − s⁴)/n) / (2 s)`` with ``m4`` the fourth central moment (large ``n``).
+
+    Parameters
+    ----------
+    samples : Tensor ``[n]``
+        Independent draws (``n >= 2``).
+
+    Returns
+    -------
+    (float, float, float, float)
+        ``(mean, se of the mean, sd, se of the sd)``.
+    """
+    x = torch.as_tensor(samples, dtype=torch.float64).reshape(-1)
+    if x.numel() < 2:
+        raise ValueError(f"samples: need at least 2 draws, got {x.numel()}")
+    n, mean = x.numel(), float(x.mean())
+    centred = x - mean
+    var, m4 = float(centred.square().mean()), float(centred.pow(4).mean())
+    sd = var ** 0.5
+    return mean, sd / n ** 0.5, sd, ((m4 - var ** 2) / n) ** 0.5 / (2 * sd) if sd > 0 else 0.0
