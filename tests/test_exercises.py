@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tokenmdp
+from tests._exercises_01_05 import RIGHT_01_05, WRONG_01_05
 from tokenmdp import exercises
 from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators import GSPO, PPOClip, TokenRatio, loss, prepare
@@ -129,6 +130,8 @@ WRONG = {
         "on-policy (nothing clipped)": 0.0, "factor 2": 2 * _clip_fraction_by_loops()},
     "tr06_gspo_cosine": _gspo_wrong_answers,
 }
+RIGHT.update(RIGHT_01_05)   # tutorials 1-5: tests/_exercises_01_05.py
+WRONG.update(WRONG_01_05)
 
 
 def test_every_registered_exercise_has_a_right_and_a_wrong_answer_here():

@@ -265,3 +265,9 @@ def check(name: str, value) -> None:
         f"(difference {given - want:+.3g}, tolerance {exercise.tolerance_name} = "
         f"{exercise.tolerance:g}).{_diagnosis(given, want, exercise.tolerance)} "
         f"Hint: {exercise.hint}")
+
+
+# ---------------------------------------------------------------------- tutorials 1-5
+# Registered by their own module (their setups repeat the tutorials'); imported last, since it
+# uses ``_exercise`` and the tolerances above.
+from tokenmdp import _exercises_01_05  # noqa: E402,F401
