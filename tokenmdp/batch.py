@@ -234,6 +234,16 @@ class TokenBatch:
 
         Padding positions are ignored. Works for any layout (one ``index_add``, no loop).
         Differentiable in ``values_RC``.
+
+        Parameters
+        ----------
+        values_RC : Tensor ``[R, C, ...]``
+            Per-token values on this batch's grid (any trailing dimensions).
+
+        Returns
+        -------
+        Tensor ``[S, ...]``
+            The sum over each sequence's tokens, in ``values_RC``'s dtype.
         """
         if values_RC.shape[:2] != self.tokens.shape:
             raise ValueError(f"values_RC: shape {tuple(values_RC.shape)} does not start with the "
@@ -243,7 +253,18 @@ class TokenBatch:
         return out.index_add(0, self.sequence_id[real].long(), values_RC[real])
 
     def to_tokens(self, values_S: torch.Tensor) -> torch.Tensor:
-        """Broadcast per-sequence values ``[S, ...]`` to ``[R, C, ...]`` (zero on padding)."""
+        """Broadcast per-sequence values ``[S, ...]`` to ``[R, C, ...]`` (zero on padding).
+
+        Parameters
+        ----------
+        values_S : Tensor ``[S, ...]``
+            One value (or row of values) per sequence.
+
+        Returns
+        -------
+        Tensor ``[R, C, ...]``
+            ``values_S[sequence_id]`` on every real token, 0 on padding.
+        """
         if values_S.shape[:1] != (self.num_sequences,):
             raise ValueError(f"values_S: expected leading dimension S = {self.num_sequences}, got "
                              f"shape {tuple(values_S.shape)}")
@@ -253,7 +274,14 @@ class TokenBatch:
         return out
 
     def sequence_lengths_total(self) -> torch.Tensor:
-        """Long ``[S]``: number of tokens (prompt + response) of each sequence."""
+        """Long ``[S]``: number of tokens (prompt + response) of each sequence.
+
+        Returns
+        -------
+        LongTensor ``[S]``
+            Prompt plus response tokens of each sequence (the ``length`` field counts the
+            response only).
+        """
         real = self.sequence_id >= 0
         return torch.zeros(self.num_sequences, dtype=torch.long, device=self.device).index_add_(
             0, self.sequence_id[real].long(), torch.ones(int(real.sum()), dtype=torch.long,
@@ -279,6 +307,17 @@ class TokenBatch:
         When only per-token float fields (advantage, loss weight, log-probs) or rewards change,
         only those are checked (shape, device, dtype, finiteness): the layout they sit on was
         validated when this batch was built, and is shared.
+
+        Parameters
+        ----------
+        **changes : Tensor or None
+            New values by field name (any field of the dataclass, e.g.
+            ``advantage=A_RC, loss_weight=w_RC``); ``None`` clears an optional log-prob.
+
+        Returns
+        -------
+        TokenBatch
+            A new batch; this one is unchanged (tensors not replaced are shared).
         """
         if changes and set(changes) <= set(TOKEN_FLOAT_FIELDS + SEQ_FLOAT_FIELDS):
             validate_float_changes(self, changes)
@@ -291,7 +330,21 @@ class TokenBatch:
 
     def to(self, device: torch.device | str | None = None,
            dtype: torch.dtype | None = None) -> TokenBatch:
-        """Move every tensor to ``device`` and cast the floating-point fields to ``dtype``."""
+        """Move every tensor to ``device`` and cast the floating-point fields to ``dtype``.
+
+        Parameters
+        ----------
+        device : torch.device or str, optional
+            Target device of every tensor, ``token_extras`` included (default: stay).
+        dtype : torch.dtype, optional
+            Floating-point dtype of the float fields (default: keep); integer and bool fields
+            keep theirs.
+
+        Returns
+        -------
+        TokenBatch
+            The moved (and cast) batch, validated again.
+        """
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"dtype: expected a floating-point dtype, got {dtype}")
         changes: dict[str, Any] = {}
@@ -308,7 +361,13 @@ class TokenBatch:
         return dataclasses.replace(self, **changes)
 
     def sequences(self) -> list[tuple[list[int], list[int]]]:
-        """The (prompt, response) token lists of every sequence, in ``sequence_id`` order."""
+        """The (prompt, response) token lists of every sequence, in ``sequence_id`` order.
+
+        Returns
+        -------
+        list of (list of int, list of int)
+            ``(prompt, response)`` token ids of sequence ``0 .. S-1``, whatever the layout.
+        """
         real = self.sequence_id >= 0
         sid = self.sequence_id[real].tolist()
         pos = self.position[real].tolist()

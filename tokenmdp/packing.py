@@ -58,7 +58,17 @@ _SEQUENCE_FIELDS = ("reward", "group", "length", "prompt_index")
 # ---------------------------------------------------------------------------------- relayout
 class SequenceSpans(NamedTuple):
     """Where each sequence of a batch sits: row ``row_S``, first column ``start_S``, and its
-    number of tokens ``total_S`` (prompt and response)."""
+    number of tokens ``total_S`` (prompt and response).
+
+    Parameters
+    ----------
+    row_S : LongTensor ``[S]``
+        Row of each sequence.
+    start_S : LongTensor ``[S]``
+        Column of each sequence's first token (its position 0).
+    total_S : LongTensor ``[S]``
+        Number of tokens of each sequence, prompt and response.
+    """
 
     row_S: torch.Tensor
     start_S: torch.Tensor
@@ -66,7 +76,18 @@ class SequenceSpans(NamedTuple):
 
 
 def sequence_spans(batch: TokenBatch) -> SequenceSpans:
-    """Row, first column and number of tokens of every sequence (vectorized, no loop)."""
+    """Row, first column and number of tokens of every sequence (vectorized, no loop).
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        Any layout.
+
+    Returns
+    -------
+    SequenceSpans
+        Indexed by sequence id.
+    """
     starts = (batch.sequence_id >= 0) & (batch.position == 0)
     r, c = starts.nonzero(as_tuple=True)
     sid = batch.sequence_id[r, c].long()
@@ -169,25 +190,76 @@ def _relayout(batch: TokenBatch, spans: SequenceSpans, row_S: object, offset_S: 
 # ---------------------------------------------------------------------------------- layouts
 def pack_first_fit_decreasing(batch: TokenBatch, capacity: int) -> TokenBatch:
     """Pack the sequences into rows of ``capacity`` tokens by first-fit decreasing
-    (:func:`place_first_fit_decreasing`). Sequence ids are unchanged."""
+    (:func:`place_first_fit_decreasing`). Sequence ids are unchanged.
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        Any layout.
+    capacity : int
+        Row capacity ``C``; at least the longest sequence.
+
+    Returns
+    -------
+    TokenBatch
+        The same sequences in as few rows as first fit finds (longest first).
+    """
     return relayout(batch, *place_first_fit_decreasing(batch.sequence_lengths_total(), capacity))
 
 
 def pack_in_order(batch: TokenBatch, capacity: int) -> TokenBatch:
     """Pack the sequences into rows of ``capacity`` tokens in sequence-id order, a new row when
-    the next one does not fit (:func:`place_in_order`). Sequence ids are unchanged."""
+    the next one does not fit (:func:`place_in_order`). Sequence ids are unchanged.
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        Any layout.
+    capacity : int
+        Row capacity ``C``; at least the longest sequence.
+
+    Returns
+    -------
+    TokenBatch
+        The same sequences, rows in sequence-id order.
+    """
     return relayout(batch, *place_in_order(batch.sequence_lengths_total(), capacity))
 
 
 def padded_layout(batch: TokenBatch, capacity: int | None = None) -> TokenBatch:
     """One sequence per row, sequence ``s`` in row ``s``, right padding to ``capacity``
-    (default: the longest sequence)."""
+    (default: the longest sequence).
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        Any layout.
+    capacity : int, optional
+        Row capacity ``C``, at least the longest sequence (default: the longest sequence).
+
+    Returns
+    -------
+    TokenBatch
+        ``S`` rows (:func:`place_padded`).
+    """
     return relayout(batch, *place_padded(batch.sequence_lengths_total(), capacity))
 
 
 def flat_layout(batch: TokenBatch, capacity: int | None = None) -> TokenBatch:
-    """All sequences in one row in sequence-id order; ``capacity`` defaults to the number of
-    tokens."""
+    """All sequences in one row in sequence-id order.
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        Any layout.
+    capacity : int, optional
+        Length of the row, at least the number of real tokens (default: that number).
+
+    Returns
+    -------
+    TokenBatch
+        One row (:func:`place_flat`).
+    """
     return relayout(batch, *place_flat(batch.sequence_lengths_total(), capacity))
 
 
@@ -197,6 +269,18 @@ def select_sequences(batch: TokenBatch, sequence_index: object) -> TokenBatch:
     Each kept sequence stays at its row and columns; rows left without sequences are dropped
     and the capacity is unchanged. A permutation only renumbers the sequences. Re-lay the result
     out (for example :func:`pack_first_fit_decreasing`) to reclaim the room of dropped ones.
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        Any layout.
+    sequence_index : integer ``[S']``
+        The old ids of the kept sequences, each at most once, in their new order.
+
+    Returns
+    -------
+    TokenBatch
+        ``S'`` sequences, renumbered ``0 .. S'-1``; the rows that still hold one.
 
     Raises
     ------
@@ -214,7 +298,18 @@ def select_sequences(batch: TokenBatch, sequence_index: object) -> TokenBatch:
 
 
 def fill_fraction(batch: TokenBatch) -> float:
-    """Fraction of the ``R x C`` grid that holds real tokens (0.0 for an empty grid)."""
+    """Fraction of the ``R x C`` grid that holds real tokens (0.0 for an empty grid).
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        Any layout.
+
+    Returns
+    -------
+    float
+        Real tokens over ``R * C``, in ``[0, 1]``.
+    """
     slots = batch.num_rows * batch.capacity
     return batch.num_real_tokens / slots if slots else 0.0
 
@@ -227,6 +322,15 @@ class MicroBatch(NamedTuple):
     sequence ids renumbered ``0 .. S'-1``; its sequence ``k`` is the step's sequence
     ``sequence_index[k]``. Results scatter back with ``full_S[mb.sequence_index] = part_S`` and
     ``full_RC[mb.row_index] = part_RC``.
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        The micro-batch itself: whole rows of the step, sequences renumbered.
+    sequence_index : LongTensor ``[S']``
+        The step's id of each of its sequences.
+    row_index : LongTensor ``[R']``
+        The step's row of each of its rows.
     """
 
     batch: TokenBatch

@@ -42,6 +42,17 @@ class Placement(NamedTuple):
     """Where each sequence goes: row ``row_S[s]``, columns ``offset_S[s]`` onwards.
 
     ``relayout(batch, *placement)`` applies it; ``num_rows`` x ``capacity`` is the new grid.
+
+    Parameters
+    ----------
+    row_S : LongTensor ``[S]``
+        Row of each sequence, in ``[0, num_rows)``.
+    offset_S : LongTensor ``[S]``
+        Column of each sequence's first token.
+    num_rows : int
+        ``R'``, the number of rows of the new grid.
+    capacity : int
+        ``C'``, the row capacity of the new grid.
     """
 
     row_S: torch.Tensor
@@ -137,8 +148,20 @@ def place_first_fit_decreasing(lengths_S: object, capacity: int) -> Placement:
 
 def place_in_order(lengths_S: object, capacity: int) -> Placement:
     """In-order greedy (next fit): sequences in index order, a new row when the next one does
-    not fit in the current row; the rows keep the sequence order. Arguments as for
-    :func:`place_first_fit_decreasing`."""
+    not fit in the current row; the rows keep the sequence order.
+
+    Parameters
+    ----------
+    lengths_S : integer array-like ``[S]``
+        Number of tokens (prompt and response) of each sequence, each at least 1.
+    capacity : int
+        Row capacity ``C``; at least the longest sequence.
+
+    Returns
+    -------
+    Placement
+        Consecutive sequences share a row, from column 0, until the next one does not fit.
+    """
     lengths = _as_lengths(lengths_S)
     capacity = _check_capacity(capacity, lengths)
     ends = np.cumsum(lengths)
@@ -156,7 +179,18 @@ def place_in_order(lengths_S: object, capacity: int) -> Placement:
 def place_padded(lengths_S: object, capacity: int | None = None) -> Placement:
     """One sequence per row, sequence ``s`` in row ``s`` from column 0 (right padding).
 
-    ``capacity`` defaults to the longest sequence (1 for no sequences).
+    Parameters
+    ----------
+    lengths_S : integer array-like ``[S]``
+        Number of tokens (prompt and response) of each sequence, each at least 1.
+    capacity : int, optional
+        Row capacity ``C``, at least the longest sequence (default: the longest sequence; 1 for
+        no sequences).
+
+    Returns
+    -------
+    Placement
+        ``S`` rows; row ``s`` holds sequence ``s`` at offset 0.
     """
     lengths = _as_lengths(lengths_S)
     if capacity is None:
@@ -168,8 +202,18 @@ def place_padded(lengths_S: object, capacity: int | None = None) -> Placement:
 def place_flat(lengths_S: object, capacity: int | None = None) -> Placement:
     """Every sequence in one row, in index order, back to back.
 
-    ``capacity`` defaults to the total number of tokens (1 for no sequences); a larger one pads
-    the end of the row.
+    Parameters
+    ----------
+    lengths_S : integer array-like ``[S]``
+        Number of tokens (prompt and response) of each sequence, each at least 1.
+    capacity : int, optional
+        Length of the row, at least the total number of tokens (default: that total; 1 for no
+        sequences); a larger one pads the end of the row.
+
+    Returns
+    -------
+    Placement
+        One row; sequence ``s`` starts where sequence ``s - 1`` ends.
     """
     lengths = _as_lengths(lengths_S)
     total = int(lengths.sum())
