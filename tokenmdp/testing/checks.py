@@ -22,6 +22,8 @@ its own token count), on which the micro-batch check fails.
 
 from __future__ import annotations
 
+import inspect
+import typing
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -47,20 +49,64 @@ __all__ = [
     "estimator_loss", "estimator_prepare", "per_micro_batch_token_mean",
 ]
 
-LossFn = Callable[[torch.Tensor, TokenBatch], torch.Tensor]
-"""``loss_fn(logprobs_RC, batch) -> scalar tensor``, differentiable in ``logprobs_RC``."""
+# typing's alias, not collections.abc's: only it takes a __doc__ (read by help() and numpydoc)
+LossFn = typing.Callable[[torch.Tensor, TokenBatch], torch.Tensor]
+LossFn.__doc__ = """``loss_fn(logprobs_RC, batch) -> scalar tensor``, differentiable in ``logprobs_RC``.
+
+The shape of every loss the checks take (the parameters below are those of such a function).
+
+Parameters
+----------
+logprobs_RC : Tensor ``[R, C]``
+    The model's log-probs of ``batch``'s tokens (0 on padding), differentiable.
+batch : TokenBatch
+    The step, a re-layout of it, or one micro-batch (:func:`check_micro_batch_invariance`).
+
+Returns
+-------
+Tensor
+    The scalar loss of ``batch``.
+"""
+# ... and the signature it documents is that of a conforming loss, not the alias's own call
+LossFn.__signature__ = inspect.Signature(
+    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+     for name in ("logprobs_RC", "batch")])
 
 
 # ------------------------------------------------------------------------------ estimators
 def estimator_prepare(estimator: _est.Estimator, *, max_len: int | None = None
                       ) -> Callable[[TokenBatch], TokenBatch]:
-    """``batch -> estimators.prepare(batch, estimator, max_len=max_len)`` (the step's weights)."""
+    """``batch -> estimators.prepare(batch, estimator, max_len=max_len)`` (the step's weights).
+
+    Parameters
+    ----------
+    estimator : Estimator
+        A registry estimator or any composition.
+    max_len : int, optional
+        ``L_max`` for :func:`~tokenmdp.estimators.prepare` (needed by ``Aggregation.CONSTANT``).
+
+    Returns
+    -------
+    callable ``batch -> batch``
+        The ``prepare=`` argument of the checks.
+    """
     _check_estimator(estimator)
     return lambda batch: _est.prepare(batch, estimator, max_len=max_len)
 
 
 def estimator_loss(estimator: _est.Estimator) -> LossFn:
-    """``(logprobs_RC, batch) -> estimators.loss(logprobs_RC, batch, estimator)[0]``."""
+    """``(logprobs_RC, batch) -> estimators.loss(logprobs_RC, batch, estimator)[0]``.
+
+    Parameters
+    ----------
+    estimator : Estimator
+        A registry estimator or any composition.
+
+    Returns
+    -------
+    LossFn
+        ``estimator``'s loss as the checks' ``loss_fn``.
+    """
     _check_estimator(estimator)
     return lambda logprobs_RC, batch: _est.loss(logprobs_RC, batch, estimator)[0]
 
@@ -75,6 +121,16 @@ def per_micro_batch_token_mean(estimator: _est.Estimator) -> LossFn:
     average_micro_batches=True)``), it is the step's token mean only when every micro-batch
     holds the same number of loss tokens; summed, only with one micro-batch. Either way
     :func:`check_micro_batch_invariance` fails on it.
+
+    Parameters
+    ----------
+    estimator : Estimator
+        A registry estimator or any composition.
+
+    Returns
+    -------
+    LossFn
+        The counter-example loss as a ``loss_fn``.
     """
     _check_estimator(estimator)
 

@@ -36,7 +36,8 @@ class TokenTable(nn.Module):
         Source of the initial logits ``N(0, init_std^2)``.
     dtype : torch.dtype
         Dtype of the table (that of the batches it will score).
-    init_std : float
+    init_std : float, default 1.0
+        Standard deviation of the initial logits.
     """
 
     def __init__(self, num_prompts: int, num_positions: int, vocab_size: int, *,
@@ -56,7 +57,22 @@ class TokenTable(nn.Module):
 
     @classmethod
     def for_batch(cls, batch: TokenBatch, *, seed: int = 0, init_std: float = 1.0) -> TokenTable:
-        """A table just large enough for ``batch`` (and for any re-layout or part of it)."""
+        """A table just large enough for ``batch`` (and for any re-layout or part of it).
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            The batch to score; its prompt indices, positions and token ids size the table.
+        seed : int, default 0
+            Seed of the initial logits.
+        init_std : float, default 1.0
+            Standard deviation of the initial logits.
+
+        Returns
+        -------
+        TokenTable
+            In ``batch.dtype``.
+        """
         if not isinstance(batch, TokenBatch):
             raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
         prompts = int(batch.prompt_index.max()) + 1 if batch.num_sequences else 1
@@ -65,7 +81,18 @@ class TokenTable(nn.Module):
                    init_std=init_std)
 
     def forward(self, batch: TokenBatch) -> torch.Tensor:
-        """``[R, C]`` log-probs of every real token (0 on padding), in the table's dtype."""
+        """``[R, C]`` log-probs of every real token (0 on padding), in the table's dtype.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            Any layout of sequences the table covers (:meth:`for_batch`).
+
+        Returns
+        -------
+        Tensor ``[R, C]``
+            ``log pi(y_t | prompt, position, previous token)``, differentiable in the table.
+        """
         real = batch.sequence_id >= 0
         previous = torch.full_like(batch.tokens, self.vocab_size)
         previous[:, 1:] = batch.tokens[:, :-1]

@@ -29,7 +29,23 @@ FLOAT32_ATOL = 5e-6
 
 
 def default_tolerances(dtype: torch.dtype) -> tuple[float, float]:
-    """``(rtol, atol)`` used by the checks for batches of ``dtype`` (float64 or float32)."""
+    """``(rtol, atol)`` used by the checks for batches of ``dtype`` (float64 or float32).
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+        The batches' float dtype: ``torch.float64`` or ``torch.float32``.
+
+    Returns
+    -------
+    tuple of (float, float)
+        ``(FLOAT64_RTOL, FLOAT64_ATOL)`` or ``(FLOAT32_RTOL, FLOAT32_ATOL)``.
+
+    Raises
+    ------
+    TypeError
+        For any other dtype (pass ``rtol`` and ``atol`` to the check instead).
+    """
     if dtype == torch.float64:
         return FLOAT64_RTOL, FLOAT64_ATOL
     if dtype == torch.float32:
@@ -54,7 +70,9 @@ def _tolerances(batch: TokenBatch, rtol, atol) -> tuple[float, float]:
 class InvarianceReport:
     """Largest differences found by a check, against ``atol + rtol * scale``.
 
-    Attributes
+    The checks build it; each parameter is also the attribute of that name.
+
+    Parameters
     ----------
     loss_difference, gradient_difference : float
         Largest ``|loss - loss_ref|`` and largest ``max |grad - grad_ref|`` over the cases.
@@ -84,7 +102,18 @@ class InvarianceReport:
                 and self.gradient_difference <= self.gradient_tolerance)
 
     def assert_ok(self) -> InvarianceReport:
-        """Return ``self`` if :attr:`ok`, else raise ``AssertionError`` describing the failure."""
+        """Return ``self`` if :attr:`ok`, else raise ``AssertionError`` describing the failure.
+
+        Returns
+        -------
+        InvarianceReport
+            ``self``, so that ``check(...).assert_ok()`` can be chained.
+
+        Raises
+        ------
+        AssertionError
+            Naming the worst case, both differences and their tolerances.
+        """
         if not self.ok:
             raise AssertionError(
                 f"invariance violated in {self.worst_case}: loss differs by "
