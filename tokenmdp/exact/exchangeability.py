@@ -40,7 +40,28 @@ def _type_keys(steps: StepGradients) -> torch.Tensor:
 
 def exchangeability_cost(mdp: TokenMDP, type_key_N: torch.Tensor, probs_N: torch.Tensor,
                          group_size: int) -> int:
-    """Batches the exchangeability method evaluates: ``Σ_x n_x C(K_x + G − 2, G − 1)``."""
+    """Batches the exchangeability method evaluates: ``Σ_x n_x C(K_x + G − 2, G − 1)``.
+
+    ``n_x`` is the number of responses to prompt ``x`` with positive probability and ``K_x``
+    the number of distinct types among them.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The world whose responses are typed.
+    type_key_N : Tensor ``[N, k]``
+        The type of every response in canonical order (rows equal iff the types are): for the
+        moments, its effective reward and counted tokens.
+    probs_N : float64 ``[N]``
+        Sampling probability ``μ(y | x)`` of every response.
+    group_size : int
+        ``G``, responses per group (at least 2).
+
+    Returns
+    -------
+    int
+        The number of batches (``y_1`` and a multiset of the others' types) to evaluate.
+    """
     total = 0
     per_prompt = probs_N.view(mdp.num_prompts, -1)
     for x, (_, p, _) in enumerate(exchangeable_types(type_key_N, mdp, probs_N)):

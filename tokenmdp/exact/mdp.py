@@ -162,7 +162,18 @@ class TokenMDP:
         return self.num_prompts * self.responses_per_prompt
 
     def level_size(self, k: int) -> int:
-        """Number of non-terminal states at depth ``k`` per prompt, ``b^k``."""
+        """Number of non-terminal states at depth ``k`` per prompt, ``b^k``.
+
+        Parameters
+        ----------
+        k : int
+            Depth: the number of response tokens so far, ``0 .. L``.
+
+        Returns
+        -------
+        int
+            ``b^k`` prefixes of ``k`` non-EOS tokens.
+        """
         return self.branching ** k
 
     @cached_property
@@ -183,6 +194,18 @@ class TokenMDP:
         """All states at depth ``k``: prompt index ``[N]`` and prefix tokens ``[N, k]``.
 
         ``N = P * b^k``, ordered by (prompt, code), i.e. by global state id.
+
+        Parameters
+        ----------
+        k : int
+            Depth: ``k`` response tokens so far (the policy acts at ``0 .. L - 1``).
+
+        Returns
+        -------
+        prompt_index : LongTensor ``[N]``
+            Prompt of each state.
+        prefix : LongTensor ``[N, k]``
+            Its ``k`` response tokens so far.
         """
         n = self.level_size(k)
         prompt_index = torch.arange(self.num_prompts).repeat_interleave(n)
@@ -190,18 +213,55 @@ class TokenMDP:
         return prompt_index, self.decode(codes, k)
 
     def decode(self, codes: torch.Tensor, k: int) -> torch.Tensor:
-        """Base-``b`` digits (most significant first) ``[N, k]`` of prefix codes ``[N]``."""
+        """Base-``b`` digits (most significant first) ``[N, k]`` of prefix codes ``[N]``.
+
+        Parameters
+        ----------
+        codes : LongTensor ``[N]``
+            Prefix codes, each in ``[0, b^k)``.
+        k : int
+            Prefix length.
+
+        Returns
+        -------
+        LongTensor ``[N, k]``
+            The prefixes' non-EOS tokens.
+        """
         powers = self.branching ** torch.arange(k - 1, -1, -1, dtype=torch.long)
         return (codes[:, None] // powers) % self.branching
 
     def encode(self, prefix: torch.Tensor) -> torch.Tensor:
-        """Codes ``[N]`` of prefixes ``[N, k]`` of non-EOS tokens (inverse of :meth:`decode`)."""
+        """Codes ``[N]`` of prefixes ``[N, k]`` of non-EOS tokens (inverse of :meth:`decode`).
+
+        Parameters
+        ----------
+        prefix : LongTensor ``[N, k]``
+            Prefixes of non-EOS tokens (ids below ``b``).
+
+        Returns
+        -------
+        LongTensor ``[N]``
+            ``Σ_j prefix[:, j] b^(k-1-j)``.
+        """
         k = prefix.shape[1]
         powers = self.branching ** torch.arange(k - 1, -1, -1, dtype=torch.long)
         return (prefix.long() * powers).sum(-1)
 
     def state_index(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """Global state ids ``[N]`` of states given by prompt index ``[N]`` and prefix ``[N, k]``."""
+        """Global state ids ``[N]`` of states given by prompt index ``[N]`` and prefix ``[N, k]``.
+
+        Parameters
+        ----------
+        prompt_index : LongTensor ``[N]``
+            Prompt of each state.
+        prefix : LongTensor ``[N, k]``
+            Its response tokens so far (non-EOS; one depth ``k < L`` for all).
+
+        Returns
+        -------
+        LongTensor ``[N]``
+            ``level_offset[k] + prompt_index * b^k + code``, in ``[0, num_states)``.
+        """
         k = prefix.shape[1]
         return self.level_offsets[k] + prompt_index * self.level_size(k) + self.encode(prefix)
 
@@ -267,14 +327,35 @@ class TokenMDP:
         return self._terminal_layout[2]
 
     def responses(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Every (prompt, response) pair in canonical order, as token tuples."""
+        """Every (prompt, response) pair in canonical order, as token tuples.
+
+        Returns
+        -------
+        list of (tuple of int, tuple of int)
+            ``num_sequences`` pairs, in the order of :meth:`enumerate` and :attr:`rewards`.
+        """
         pidx, resp, lengths = self._terminal_layout
         return [(self.prompts[p], tuple(r[:n])) for p, r, n in
                 zip(pidx.tolist(), resp.tolist(), lengths.tolist())]
 
     def terminal_index(self, prompt_index: torch.Tensor, responses: torch.Tensor,
                        lengths: torch.Tensor) -> torch.Tensor:
-        """Canonical terminal ids ``[N]`` of responses ``[N, >=L]`` (EOS-padded) with ``lengths``."""
+        """Canonical terminal ids ``[N]`` of responses ``[N, >=L]`` (EOS-padded) with ``lengths``.
+
+        Parameters
+        ----------
+        prompt_index : LongTensor ``[N]``
+            Prompt of each response.
+        responses : LongTensor ``[N, >=L]``
+            Response tokens, EOS-padded after ``lengths``.
+        lengths : LongTensor ``[N]``
+            Response lengths, EOS included (``L`` for a truncated response).
+
+        Returns
+        -------
+        LongTensor ``[N]``
+            Row of each (prompt, response) in :meth:`enumerate` and :attr:`rewards`.
+        """
         b, L = self.branching, self.max_len
         ends_eos = responses.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0] == self.eos
         depth = torch.where(ends_eos, lengths - 1, torch.full_like(lengths, L))
@@ -316,17 +397,40 @@ class TokenMDP:
 
         ``reward`` holds ``R(x, y)``, ``group`` and ``prompt_index`` the prompt index;
         ``advantage`` and ``loss_weight`` are 1 on response tokens (float64).
+
+        Returns
+        -------
+        TokenBatch
+            ``num_sequences`` rows, sequence ``i`` the ``i``-th terminal.
         """
         pidx, resp, lengths = self._terminal_layout
         return self.make_batch(pidx, resp, lengths)
 
     def token_state_index(self, batch: TokenBatch) -> torch.Tensor:
-        """Long ``[R, C]``: the global id of the state each response token was drawn in, -1 elsewhere."""
+        """Long ``[R, C]``: the global id of the state each response token was drawn in, -1 elsewhere.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            Float64 sequences of this MDP, any layout (checked by :meth:`check_batch`).
+
+        Returns
+        -------
+        LongTensor ``[R, C]``
+            State id (:meth:`state_index`) of every response token, -1 on prompt and padding.
+        """
         return _mdp_batches.token_state_index(self, batch)
 
     # ------------------------------------------------------------------ membership
     def check_batch(self, batch: TokenBatch, *, name: str = "batch") -> None:
         """Raise unless ``batch`` is a float64 batch of valid (prompt, response) pairs of this MDP.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            The batch to check, any layout.
+        name : str, default "batch"
+            The argument name the error messages start with.
 
         Raises
         ------

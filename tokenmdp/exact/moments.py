@@ -90,7 +90,7 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
         Monte Carlo batches (default 4096).
     generator : torch.Generator, optional
         Source of the Monte Carlo draws; default a CPU generator seeded with
-        :data:`DEFAULT_MC_SEED` (so ``method="auto"`` that resolves to Monte Carlo runs, and
+        ``DEFAULT_MC_SEED`` (0; so ``method="auto"`` that resolves to Monte Carlo runs, and
         repeats). ``Moments.method`` says which method ran.
     filter_groups : bool
         DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, Eq. 11): groups whose rewards

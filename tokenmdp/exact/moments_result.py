@@ -20,32 +20,51 @@ __all__ = ["Moments"]
 
 @dataclass(frozen=True)
 class Moments:
-    """The first two moments of an estimator's gradient ``ĝ`` against the true ``∇J``."""
+    """The first two moments of an estimator's gradient ``ĝ`` against the true ``∇J``.
+
+    Built by :func:`~tokenmdp.exact.moments`; each parameter is also the attribute of that name,
+    and the properties derive the figures from them.
+
+    Parameters
+    ----------
+    mean : Tensor ``[d]``
+        ``E[ĝ]``, flat in ``policy.parameters()`` order (an estimate of the ascent direction).
+    true_gradient : Tensor ``[d]``
+        ``∇J`` at the same parameters.
+    total_variance : float
+        ``tr Cov[ĝ] = E‖ĝ − E ĝ‖²``.
+    covariance : Tensor ``[d, d]`` or None
+        ``Cov[ĝ]`` when the policy has at most ``MAX_COVARIANCE_DIM`` parameters.
+    method : str
+        ``"enumeration"``, ``"exchangeability"`` or ``"monte_carlo"``.
+    num_draws : int
+        Batches enumerated (exact) or sampled (Monte Carlo).
+    mean_se : Tensor ``[d]`` or None, default None
+        Monte Carlo: standard error of each coordinate of ``mean``.
+    total_variance_se : float or None, default None
+        Monte Carlo: standard error of ``total_variance``.
+    mse_se : float or None, default None
+        Monte Carlo: standard error of ``mse``.
+    relative_bias_se : float or None, default None
+        Monte Carlo: standard error of ``relative_bias`` (delta method).
+    cosine_se : float or None, default None
+        Monte Carlo: standard error of ``cosine`` (delta method).
+    keep_probability : float, default 1.0
+        With ``filter_groups``: the probability that a drawn group is kept.
+    """
 
     mean: torch.Tensor
-    """``E[ĝ]``, flat in ``policy.parameters()`` order (an estimate of the ascent direction)."""
     true_gradient: torch.Tensor
-    """``∇J`` at the same parameters."""
     total_variance: float
-    """``tr Cov[ĝ] = E‖ĝ − E ĝ‖²``."""
     covariance: torch.Tensor | None
-    """``Cov[ĝ]`` when the policy has at most ``MAX_COVARIANCE_DIM`` parameters."""
     method: str
-    """``"enumeration"``, ``"exchangeability"`` or ``"monte_carlo"``."""
     num_draws: int
-    """Batches enumerated (exact) or sampled (Monte Carlo)."""
     mean_se: torch.Tensor | None = None
-    """Monte Carlo: standard error of each coordinate of ``mean``."""
     total_variance_se: float | None = None
-    """Monte Carlo: standard error of ``total_variance``."""
     mse_se: float | None = None
-    """Monte Carlo: standard error of ``mse``."""
     relative_bias_se: float | None = None
-    """Monte Carlo: standard error of ``relative_bias`` (delta method)."""
     cosine_se: float | None = None
-    """Monte Carlo: standard error of ``cosine`` (delta method)."""
     keep_probability: float = 1.0
-    """With ``filter_groups``: the probability that a drawn group is kept."""
 
     @property
     def bias(self) -> torch.Tensor:
@@ -82,7 +101,15 @@ class Moments:
         return self.total_variance + float(self.bias @ self.bias)
 
     def summary(self) -> dict[str, float]:
-        """The scalar figures as a dict (for tables, CSV and JSON)."""
+        """The scalar figures as a dict (for tables, CSV and JSON).
+
+        Returns
+        -------
+        dict of str to float
+            ``relative_bias``, ``cosine``, ``directional_bias``, ``scale``, ``total_variance``,
+            ``mse``, ``mean_norm``, ``true_gradient_norm`` and ``num_draws``, plus the standard
+            errors that are known (Monte Carlo).
+        """
         out = {"relative_bias": self.relative_bias, "cosine": self.cosine,
                "directional_bias": self.directional_bias, "scale": self.scale,
                "total_variance": self.total_variance, "mse": self.mse,
