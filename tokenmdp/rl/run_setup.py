@@ -30,7 +30,19 @@ SFT_ESTIMATOR = Estimator(name="sft", surrogate=Reinforce(), advantage=RewardAsA
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
-    """The :class:`~tokenmdp.model.ModelConfig` of ``cfg`` for a vocabulary of ``vocab_size``."""
+    """The :class:`~tokenmdp.model.ModelConfig` of ``cfg`` for a vocabulary of ``vocab_size``.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        The run's configuration; its model fields (``d_model``, ``n_experts``, ...) are copied.
+    vocab_size : int
+        The task tokenizer's vocabulary size.
+
+    Returns
+    -------
+    ModelConfig
+    """
     # TrainConfig repeats the ModelConfig fields it exposes (flat, one command-line option each)
     shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)
               if hasattr(cfg, f.name)}
@@ -39,6 +51,18 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
 
 def load_init(cfg: TrainConfig, device: torch.device | str = "cpu") -> dict:
     """The ``cfg.init`` checkpoint, checked to hold a model of ``cfg``'s shape.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        The run's configuration, with ``init`` set (a trainer checkpoint's path).
+    device : torch.device or str, default "cpu"
+        Where the checkpoint's tensors are loaded.
+
+    Returns
+    -------
+    dict
+        The checkpoint's state (``"model"`` holds the model's ``state_dict``).
 
     Raises
     ------
@@ -55,14 +79,41 @@ def load_init(cfg: TrainConfig, device: torch.device | str = "cpu") -> dict:
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | str | None = None
                 ) -> MoETransformer:
     """The MoE transformer of ``cfg``, initialized from ``cfg.seed`` on ``device`` (default
-    ``cfg.device``)."""
+    ``cfg.device``).
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        The run's configuration (model shape, ``seed``, ``dtype``, ``device``).
+    vocab_size : int
+        The task tokenizer's vocabulary size.
+    device : torch.device or str, optional
+        Overrides ``cfg.device`` (a rank's ``cuda:LOCAL_RANK`` under ``torchrun``).
+
+    Returns
+    -------
+    MoETransformer
+        Freshly initialized, in ``cfg.dtype``.
+    """
     mc = model_config(cfg, vocab_size)
     return MoETransformer(mc, generator=torch.Generator().manual_seed(cfg.seed),
                           device=cfg.device if device is None else device, dtype=DTYPES[cfg.dtype])
 
 
 def build_estimator(cfg: TrainConfig) -> Estimator:
-    """The registry estimator (rl) with ``kl_coef`` applied (k3 in the loss), or SFT's."""
+    """The registry estimator (rl) with ``kl_coef`` applied (k3 in the loss), or SFT's.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        ``mode``, ``estimator`` (a registry name) and ``kl_coef`` (None: the registry's KL
+        term; 0: none; > 0: k3 in the loss with that coefficient).
+
+    Returns
+    -------
+    Estimator
+        :data:`SFT_ESTIMATOR` when ``cfg.mode == "sft"``.
+    """
     if cfg.mode == "sft":
         return SFT_ESTIMATOR
     est = estimators.get(cfg.estimator)

@@ -162,6 +162,19 @@ def train(cfg: TrainConfig) -> list[dict]:
     Under ``torchrun`` every rank returns the same rows (reduced over the ranks) and rank 0
     writes the files.
 
+    Parameters
+    ----------
+    cfg : TrainConfig
+        The run: mode, task, estimator, model, optimizer, step counts, ``out_dir``, ``init``,
+        ``resume`` / ``overwrite`` (every option is documented on
+        :class:`~tokenmdp.rl.config.TrainConfig`).
+
+    Returns
+    -------
+    list of dict
+        One metrics row per step run by this call (the rows of ``metrics.jsonl``; a resumed
+        run returns the steps after the checkpoint only).
+
     Raises
     ------
     ValueError
@@ -219,7 +232,18 @@ def train(cfg: TrainConfig) -> list[dict]:
 
 
 def run_and_report(cfg: TrainConfig) -> int:
-    """Run ``cfg`` and print a one-line summary (on rank 0 only, under ``torchrun``); 0."""
+    """Run ``cfg`` and print a one-line summary (on rank 0 only, under ``torchrun``); 0.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        The run (:func:`train`).
+
+    Returns
+    -------
+    int
+        0, the exit status (errors propagate as exceptions: :func:`main` turns them into one line).
+    """
     rows = train(cfg)
     if rows and int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
         last = rows[-1]
@@ -231,7 +255,20 @@ def run_and_report(cfg: TrainConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tokenmdp.rl.trainer [--mode rl|sft] [options]``: one run, the entry point for
     ``torchrun --nproc_per_node=N -m tokenmdp.rl.trainer ...`` (the options of ``tokenmdp
-    train``, plus ``--mode``)."""
+    train``, plus ``--mode``).
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The command-line arguments (default: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status: 0 on success, 2 on a bad configuration (one line on stderr; argparse
+        itself exits with 2 on a malformed option), 1 when the run stopped on non-finite values
+        (:class:`NonFiniteError`).
+    """
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tokenmdp.rl.trainer",
