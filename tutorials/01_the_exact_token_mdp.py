@@ -26,7 +26,8 @@
 # 4. check the lemma that makes policy gradients work,
 #    $\mathbb{E}_{a\sim\pi}[\nabla\log\pi(a|s)] = 0$, at every state;
 # 5. put a Monte Carlo REINFORCE estimate, with its error bars, next to the exact gradient;
-# 6. finish with two exercises whose answers the notebook checks.
+# 6. break the stop-gradient of the REINFORCE loss on purpose and compute what it costs;
+# 7. finish with two "predict, then run" exercises, checked by `tokenmdp.check`.
 #
 # Everything runs on a CPU in float64, in well under a minute.
 
@@ -60,6 +61,7 @@ from tokenmdp.exact import (
     state_logprobs,
     values,
 )
+from tokenmdp.notebook import alias_box, show
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12  # two exact computations of the same float64 quantity
@@ -252,6 +254,7 @@ def draw_prefix_tree(ax, mdp, policy, p):
     ax.set_xlim(-0.3, mdp.max_len + 1.9)
     ax.set_xticks(range(mdp.max_len + 1))
     ax.set_xlabel("response tokens so far (depth)")
+    ax.set_ylabel("one row per full response")
     ax.set_yticks([])
     for side in ("left", "right", "top"):
         ax.spines[side].set_visible(False)
@@ -263,6 +266,11 @@ for p, ax in enumerate(axes):
     draw_prefix_tree(ax, mdp, policy, p)
 fig.suptitle("Prefix tree: circles are states, squares are full responses "
              "(colour = reward), edges are tokens with π(a|s)")
+axes[0].legend(handles=[plt.Line2D([], [], marker="o", ls="", color="#4c72b0", mec="k",
+                                   label="state (prompt + prefix)"),
+                        plt.Line2D([], [], marker="s", ls="", color=LEAF_COLOR(1.0), mec="k",
+                                   label="full response (green: high reward, red: low)")],
+               loc="lower left", fontsize=8)
 fig.tight_layout()
 plt.show()
 
@@ -629,12 +637,14 @@ ax_g.errorbar(coords, g_mc.numpy(), yerr=2 * se_mc.numpy(), fmt="o", ms=4, capsi
 ax_g.plot(coords, g_auto.numpy(), "x", ms=8, mew=2, color="#c44e52", label="exact ∇J")
 ax_g.axhline(0, color="0.8", lw=0.8)
 ax_g.set_ylabel("∂J/∂θ_j")
+ax_g.set_title("REINFORCE estimate of every coordinate of ∇J, with ±2 standard errors")
 ax_g.legend(loc="upper right")
 z_shown = z.nan_to_num(0.0).tolist()
 ax_z.bar(coords, z_shown, color=["#4c72b0" if abs(v) <= 2 else "#c44e52" for v in z_shown])
 for level in (-2, 2):
     ax_z.axhline(level, color="0.5", ls="--", lw=0.8)
 ax_z.set_ylabel("z-score")
+ax_z.set_title("z = (estimate − exact) / estimated s.e.  (dashed: ±2)")
 ax_z.set_xlabel("coordinate j  (state ⌊j/3⌋, token j mod 3)")
 for ax in (ax_g, ax_z):
     for s in range(1, mdp.num_states):
@@ -701,15 +711,56 @@ for name, estimate, exact in rows:
 # (The last "exact" value is the normal approximation, fine for $n = 2000$.) The error bars are
 # honest. This is the pattern the rest of the course builds on: every estimator gets a mean and a
 # covariance that we can *compute*, and then compare with samples.
+#
+# ### What verl / TRL / others call this
+#
+# Generated from the estimator registry's aliases (the same text as the estimator cards):
+
+# %%
+show(alias_box(["reinforce"]))
 
 # %% [markdown]
-# ## 6. Exercises
+# ## 6. Failure mode: differentiate the weights too
+#
+# Route 2 detached the weights $w_y = D(x)\,\pi_\theta(y\mid x)$. Forget the `.detach()` and
+# autograd differentiates them as well: by the product rule the loss gains the term
+# $\sum_y (\nabla w_y)\, R \log\pi(y\mid x) = \sum_y w_y\, R \log\pi(y\mid x)\,
+# \sigma(y)$, with $\sigma(y) = \nabla\log\pi(y\mid x)$, the score table of section 5. We
+# compute the broken gradient and that predicted error exactly.
+
+# %%
+def grad_reinforce_not_detached(mdp, policy):
+    # BROKEN ON PURPOSE: route 2 without .detach() on the weights w_y
+    batch = mdp.enumerate()
+    seq_logprobs_S = batch.sequence_sum(policy.token_logprobs(batch))
+    weights_S = mdp.prompt_probs[batch.prompt_index] * seq_logprobs_S.exp()
+    return flat_grad((weights_S * batch.reward * seq_logprobs_S).sum(), policy)
+
+
+g_broken = grad_reinforce_not_detached(mdp, policy)
+with torch.no_grad():
+    log_pi_N = sequence_probs(mdp, policy).log()
+predicted_error = (w_N * mdp.rewards * log_pi_N) @ scores_N
+cosine = float(g_broken @ g_auto / (g_broken.norm() * g_auto.norm()))
+print(f"||broken − ∇J|| / ||∇J|| = {float((g_broken - g_auto).norm() / g_auto.norm()):.3f}, "
+      f"cos(broken, ∇J) = {cosine:.3f}; max |error − predicted| = "
+      f"{float((g_broken - g_auto - predicted_error).abs().max()):.1e}")
+assert torch.allclose(g_broken - g_auto, predicted_error, rtol=0, atol=EXACT_TOL)
+
+# %% [markdown]
+# The loss *value* is the same with and without `.detach()`, so a test of the value cannot see the
+# slip; the gradient is off by a term weighted by $\log\pi(y\mid x) < 0$, largest on the unlikely
+# responses. Compare gradients, not losses.
+#
+# ## 7. Exercises
 #
 # ### Exercise 1: the uniform policy
 #
 # A `TabularPolicy` with `init_std=0` has all logits zero, so every next-token distribution is
-# uniform, $\pi(a\mid s) = 1/V$. Write $J$ of this policy in closed form, **without** calling
-# `objective`, using only `mdp.responses()`, `mdp.rewards` and `mdp.prompt_probs`.
+# uniform, $\pi(a\mid s) = 1/V$. *Predict* first: is $J$ of this policy above or below the $J$ of
+# our seeded policy (section 2)? Then write it in closed form, **without** calling `objective`,
+# using only `mdp.responses()`, `mdp.rewards` and `mdp.prompt_probs`, and store it in
+# `uniform_answer`.
 #
 # *Hint:* what is $\pi(y \mid x)$ for a response of length $|y|$? Is that also right for the
 # truncated responses? (And why do these probabilities sum to one per prompt?)
@@ -726,12 +777,11 @@ def j_uniform(mdp):
     return total
 
 
+uniform_answer = j_uniform(mdp)
+
 # %%
 # Check
-uniform = TabularPolicy(mdp, generator=torch.Generator().manual_seed(0), init_std=0.0)
-j_yours, j_true = j_uniform(mdp), float(objective(mdp, uniform))
-print(f"your J = {j_yours:.12f}   exact J = {j_true:.12f}   difference = {j_yours - j_true:.1e}")
-assert abs(j_yours - j_true) < EXACT_TOL, "not yet: compare with sequence_probs(mdp, uniform)"
+tokenmdp.check("tr01_uniform_objective", uniform_answer)
 
 # %% [markdown]
 # Why they sum to one, per prompt: the probability of reaching depth $k$ is $(b/V)^k$. Of that,
@@ -741,36 +791,37 @@ assert abs(j_yours - j_true) < EXACT_TOL, "not yet: compare with sequence_probs(
 #
 # ### Exercise 2: a constant reward
 #
-# Suppose every response gets the same reward $R(x, y) = c$. What is $\nabla J$, for any policy and
-# any $\theta$, and why? Compute it for the `NeuralPolicy` above with $c = 3$, and compare the
-# exact answer with a Monte Carlo REINFORCE estimate from 2000 samples.
+# Suppose every response gets the same reward $R(x, y) = c$. *Predict* $\nabla J$, for any policy
+# and any $\theta$, and say why. Store $\lVert\nabla J\rVert$ for a `NeuralPolicy` (seed 2,
+# hidden width 4) with $c = 3$ in `grad_norm_answer`, without calling `gradient`; then compare it
+# with a Monte Carlo REINFORCE estimate from 2000 samples.
 
 # %%
 # Solution
 # J(θ) = Σ_x D(x) Σ_y π_θ(y|x) c = c for every θ, because Σ_y π_θ(y|x) = 1: J is constant, so
 # ∇J = 0. Equivalently, it is the lemma of section 4 at the sequence level,
 # E_y[∇ log π(y|x)] = Σ_t E[∇ log π(y_t|s_t)] = 0, multiplied by c.
+grad_norm_answer = 0.0
+
+# %%
+# Check
+tokenmdp.check("tr01_constant_reward_gradient_norm", grad_norm_answer)
+
+# %% [markdown]
+# The exact answer next to a Monte Carlo estimate: each sample contributes $c\,\sigma(y)$, and
+# the error bars come from the spread of those terms.
+
+# %%
 C = 3.0
 mdp_constant = TokenMDP(V, L, lambda x, y: C, prompts=mdp.prompts,
                         prompt_probs=mdp.prompt_probs.tolist())
 neural = NeuralPolicy(mdp_constant, generator=torch.Generator().manual_seed(2), hidden=4)
-grad_answer = torch.zeros(sum(p.numel() for p in neural.parameters()), dtype=torch.float64)
-
-# %%
-# Check
 g_true = gradient(mdp_constant, neural)
-print(f"J = {float(objective(mdp_constant, neural)):.12f} (c = {C})")
-print(f"your ∇J vs exact: max |difference| = {float((grad_answer - g_true).abs().max()):.1e} "
-      f"over {g_true.numel()} coordinates")
-assert torch.allclose(grad_answer, g_true, rtol=0, atol=EXACT_TOL)
-
-# The Monte Carlo estimator is unbiased, but each sample contributes c ∇log π(y|x) ≠ 0:
 batch_c = sample(mdp_constant, neural, 2000, generator=torch.Generator().manual_seed(7))
 seq_logprobs_c = batch_c.sequence_sum(neural.token_logprobs(batch_c))
 g_c = -flat_grad(-(batch_c.reward * seq_logprobs_c).mean(), neural)
-print(f"Monte Carlo with a constant reward: ||estimate||_2 = {float(g_c.norm()):.3f}, "
-      f"exact ||∇J||_2 = {float(g_true.norm()):.1e}, "
-      f"||difference||_2 = {float((g_c - g_true).norm()):.3f}")
+print(f"exact ||∇J|| = {float(g_true.norm()):.1e};  Monte Carlo ||ĝ|| = {float(g_c.norm()):.3f}, "
+      f"largest |coordinate| {float(g_c.abs().max()):.3f}")
 
 # %% [markdown]
 # The exact gradient vanishes, yet the Monte Carlo estimate is visibly non-zero: it is pure noise,
@@ -789,3 +840,5 @@ print(f"Monte Carlo with a constant reward: ||estimate||_2 = {float(g_c.norm()):
 #   bias the gradient.
 # * A Monte Carlo REINFORCE estimate is unbiased and its errors match the standard errors, which we
 #   can also compute exactly.
+# * Detaching the sampling weights is part of the estimator: without it the gradient gains
+#   $\sum_y w_y R \log\pi(y\mid x)\,\nabla\log\pi(y\mid x)$, while the loss value does not change.
