@@ -15,6 +15,7 @@ import torch
 
 import tokenmdp
 from tests._exercises_01_05 import RIGHT_01_05, WRONG_01_05
+from tests._exercises_08 import RIGHT_08, WRONG_08
 from tokenmdp import exercises
 from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators import GSPO, PPOClip, TokenRatio, loss, prepare
@@ -132,6 +133,8 @@ WRONG = {
 }
 RIGHT.update(RIGHT_01_05)   # tutorials 1-5: tests/_exercises_01_05.py
 WRONG.update(WRONG_01_05)
+RIGHT.update(RIGHT_08)      # tutorial 8: tests/_exercises_08.py
+WRONG.update(WRONG_08)
 
 
 def test_every_registered_exercise_has_a_right_and_a_wrong_answer_here():
