@@ -17,8 +17,10 @@ so the children of code ``c`` are ``c * b + a``. Global state ids run level by l
 then by level (EOS after 0, 1, ..., L-1 tokens, then the truncated ones), then by code; this is
 the order of :meth:`TokenMDP.enumerate` and of every per-sequence tensor in :mod:`tokenmdp.exact`.
 
-The batch-side methods (:meth:`TokenMDP.make_batch`, :meth:`TokenMDP.check_batch`,
-:meth:`TokenMDP.token_state_index`) are implemented in ``tokenmdp.exact._mdp_batches``.
+This module holds the world, its counts and its indexing; the enumeration (the terminal
+layout, the reward table) and the batch-side methods (:meth:`TokenMDP.make_batch`,
+:meth:`TokenMDP.check_batch`, :meth:`TokenMDP.token_state_index`) are implemented in
+``tokenmdp.exact._enumeration``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 from tokenmdp.batch import TokenBatch
-from tokenmdp.exact import _mdp_batches
+from tokenmdp.exact import _enumeration
 from tokenmdp.exact.budget import check_budget
 
 __all__ = ["TokenMDP"]
@@ -270,51 +272,12 @@ class TokenMDP:
     def _terminal_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per terminal in canonical order: prompt index ``[N]``, responses ``[N, L]`` (padded
         with EOS), response lengths ``[N]``."""
-        b, L, P = self.branching, self.max_len, self.num_prompts
-        resp_blocks, len_blocks = [], []
-        for k in range(L + 1):
-            n = b ** k
-            digits = self.decode(torch.arange(n), k)
-            block = torch.full((n, L), self.eos, dtype=torch.long)
-            block[:, :k] = digits
-            resp_blocks.append(block)
-            len_blocks.append(torch.full((n,), k + 1 if k < L else L, dtype=torch.long))
-        per_prompt = torch.cat(resp_blocks)
-        lengths = torch.cat(len_blocks)
-        m = per_prompt.shape[0]
-        return (torch.arange(P).repeat_interleave(m), per_prompt.repeat(P, 1), lengths.repeat(P))
+        return _enumeration.terminal_layout(self)
 
     @cached_property
     def rewards(self) -> torch.Tensor:
         """Float64 ``[N]``: ``R(x, y)`` of every terminal in canonical order."""
-        pidx, resp, lengths = self._terminal_layout
-        vectorized = getattr(self.reward_fn, "vectorized", None)
-        if vectorized is not None:
-            values = torch.as_tensor(
-                vectorized(self.prompts, pidx, resp, lengths, eos=self.eos), dtype=torch.float64)
-        else:
-            rows = resp.tolist()
-            values = torch.tensor(
-                [self._call_reward(self.prompts[p], tuple(r[:n]))
-                 for p, r, n in zip(pidx.tolist(), rows, lengths.tolist())], dtype=torch.float64)
-        if values.shape != (self.num_sequences,):
-            raise ValueError(f"reward: vectorized form returned shape {tuple(values.shape)}, "
-                             f"expected ({self.num_sequences},)")
-        bad = ~torch.isfinite(values)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise ValueError(f"reward: returned a non-finite value {float(values[i])} for "
-                             f"prompt {self.prompts[int(pidx[i])]}, response "
-                             f"{tuple(resp[i, :int(lengths[i])].tolist())}")
-        return values
-
-    def _call_reward(self, prompt: tuple, response: tuple) -> float:
-        value = self.reward_fn(prompt, response)
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"reward: returned {value!r:.40} ({type(value).__name__}), not a "
-                             f"number, for prompt {prompt}, response {response}") from None
+        return _enumeration.reward_table(self)
 
     @property
     def terminal_prompt_index(self) -> torch.Tensor:
@@ -389,7 +352,7 @@ class TokenMDP:
             ``reward`` is ``R(x, y)`` looked up in the reward table; advantage and loss weight 1
             on response tokens.
         """
-        return _mdp_batches.make_batch(self, prompt_index, responses, lengths,
+        return _enumeration.make_batch(self, prompt_index, responses, lengths,
                                        behavior_logprob=behavior_logprob, group=group)
 
     def enumerate(self) -> TokenBatch:
@@ -419,7 +382,7 @@ class TokenMDP:
         LongTensor ``[R, C]``
             State id (:meth:`state_index`) of every response token, -1 on prompt and padding.
         """
-        return _mdp_batches.token_state_index(self, batch)
+        return _enumeration.token_state_index(self, batch)
 
     # ------------------------------------------------------------------ membership
     def check_batch(self, batch: TokenBatch, *, name: str = "batch") -> None:
@@ -440,7 +403,7 @@ class TokenMDP:
         ValueError
             If a sequence is not a (prompt, response) of this MDP.
         """
-        _mdp_batches.check_batch(self, batch, name=name)
+        _enumeration.check_batch(self, batch, name=name)
 
     def __repr__(self) -> str:
         return (f"TokenMDP(vocab_size={self.vocab_size}, max_len={self.max_len}, "

@@ -1,11 +1,15 @@
-"""Batches of a :class:`~tokenmdp.exact.TokenMDP`'s sequences (not part of the public API).
+"""The enumeration of a :class:`~tokenmdp.exact.TokenMDP` and batches of its sequences
+(not part of the public API).
 
-The bodies of three :class:`~tokenmdp.exact.TokenMDP` methods that turn the MDP's indexing into
-:class:`~tokenmdp.batch.TokenBatch` terms: :meth:`~tokenmdp.exact.TokenMDP.make_batch` (a padded
-batch of responses, rewards looked up in the reward table), :meth:`~tokenmdp.exact.TokenMDP.check_batch`
-(is a batch made of this MDP's (prompt, response) pairs, in float64) and
-:meth:`~tokenmdp.exact.TokenMDP.token_state_index` (the state each response token was drawn
-in). The methods, documented there, call these.
+The bodies of the :class:`~tokenmdp.exact.TokenMDP` members that walk its terminals or build
+:class:`~tokenmdp.batch.TokenBatch` objects on them: the canonical terminal layout (prompt,
+EOS-padded response, length of every full response), the reward table
+(:attr:`~tokenmdp.exact.TokenMDP.rewards`, each value checked), and
+:meth:`~tokenmdp.exact.TokenMDP.make_batch` (a padded batch of responses, rewards looked up),
+:meth:`~tokenmdp.exact.TokenMDP.check_batch` (is a batch made of this MDP's (prompt, response)
+pairs, in float64) and :meth:`~tokenmdp.exact.TokenMDP.token_state_index` (the state each
+response token was drawn in). The members, documented there, call these; the counts and the
+state and terminal indexing they use stay in :mod:`tokenmdp.exact.mdp`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,59 @@ from tokenmdp.batch import TokenBatch
 
 if TYPE_CHECKING:
     from tokenmdp.exact.mdp import TokenMDP
+
+
+def terminal_layout(mdp: TokenMDP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``TokenMDP._terminal_layout``: prompt index ``[N]``, EOS-padded responses ``[N, L]`` and
+    response lengths ``[N]`` of every terminal, in canonical order."""
+    b, L, P = mdp.branching, mdp.max_len, mdp.num_prompts
+    resp_blocks, len_blocks = [], []
+    for k in range(L + 1):
+        n = b ** k
+        digits = mdp.decode(torch.arange(n), k)
+        block = torch.full((n, L), mdp.eos, dtype=torch.long)
+        block[:, :k] = digits
+        resp_blocks.append(block)
+        len_blocks.append(torch.full((n,), k + 1 if k < L else L, dtype=torch.long))
+    per_prompt = torch.cat(resp_blocks)
+    lengths = torch.cat(len_blocks)
+    m = per_prompt.shape[0]
+    return (torch.arange(P).repeat_interleave(m), per_prompt.repeat(P, 1), lengths.repeat(P))
+
+
+def reward_table(mdp: TokenMDP) -> torch.Tensor:
+    """See :attr:`TokenMDP.rewards <tokenmdp.exact.TokenMDP.rewards>`: ``R(x, y)`` of every
+    terminal, vectorized when the reward offers it, each value checked to be a finite number."""
+    pidx, resp, lengths = mdp._terminal_layout
+    vectorized = getattr(mdp.reward_fn, "vectorized", None)
+    if vectorized is not None:
+        values = torch.as_tensor(
+            vectorized(mdp.prompts, pidx, resp, lengths, eos=mdp.eos), dtype=torch.float64)
+    else:
+        rows = resp.tolist()
+        values = torch.tensor(
+            [_call_reward(mdp, mdp.prompts[p], tuple(r[:n]))
+             for p, r, n in zip(pidx.tolist(), rows, lengths.tolist())], dtype=torch.float64)
+    if values.shape != (mdp.num_sequences,):
+        raise ValueError(f"reward: vectorized form returned shape {tuple(values.shape)}, "
+                         f"expected ({mdp.num_sequences},)")
+    bad = ~torch.isfinite(values)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"reward: returned a non-finite value {float(values[i])} for "
+                         f"prompt {mdp.prompts[int(pidx[i])]}, response "
+                         f"{tuple(resp[i, :int(lengths[i])].tolist())}")
+    return values
+
+
+def _call_reward(mdp: TokenMDP, prompt: tuple, response: tuple) -> float:
+    """The MDP's reward of one (prompt, response), as a float (a clear error if it is not one)."""
+    value = mdp.reward_fn(prompt, response)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"reward: returned {value!r:.40} ({type(value).__name__}), not a "
+                         f"number, for prompt {prompt}, response {response}") from None
 
 
 def make_batch(mdp: TokenMDP, prompt_index: torch.Tensor, responses: torch.Tensor,
