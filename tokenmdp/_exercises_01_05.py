@@ -134,7 +134,7 @@ def tr02_policy(mdp: TokenMDP) -> TabularPolicy:
 
 @_exercise("tr02_optimal_constant_baseline",
            quantity="the constant baseline b* that minimizes tr Cov of REINFORCE with "
-                    "A = R − b on tutorial 2's MDP (tutorial 2, exercise 1)",
+                    "A = R − b on tutorial 2's MDP (tutorial 2, exercise 2)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
            hint="Only (1/G) E[(R − b)² ‖σ‖²] depends on b; set its derivative to zero. The "
                 "answer weights each response's reward by its squared score norm, for every G.")
@@ -165,7 +165,7 @@ def tr02_grpo(ddof: int) -> Estimator:
 
 @_exercise("tr02_grpo_scale_g2",
            quantity="c in E[ĝ] = c ∇J for GRPO with the sample std (ε = 0), G = 2, on "
-                    "tutorial 2's 0/1 reward (tutorial 2, exercise 2)",
+                    "tutorial 2's 0/1 reward (tutorial 2, exercise 1)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
            hint="With G = 2 and 0/1 rewards a group is constant (advantage 0) or (1, 0): mean ½, "
                 "sample std 1/√2. Compare the advantage with leave-one-out's R_1 − R_2.")

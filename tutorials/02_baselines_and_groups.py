@@ -69,11 +69,13 @@ from tokenmdp.exact import (
     sequence_logprobs,
     sequence_probs,
 )
+from tokenmdp.notebook import alias_box, show
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12      # two exact float64 computations of the same O(1) quantity (absolute)
 VAR_RTOL = 1e-10       # closed-form vs exact-moment variances (relative)
 DIRECTION_GAP = 1e-3   # a cosine below 1 - DIRECTION_GAP counts as a change of direction
+Z_TOL = 4.0            # |Monte Carlo estimate - exact| in standard errors
 
 # Every tensor here is tiny: one CPU thread avoids the cost of synchronizing several (on a busy
 # machine that cost can dominate by a factor of ten).
@@ -405,6 +407,22 @@ for G in GS:
 # $G = 2$ its variance is about twice the oracle's (here even a little above no baseline at all: a
 # baseline made of a single other reward is itself noisy), and the gap closes as $G$ grows, because
 # the leave-one-out mean converges to $V(x)$.
+#
+# The exact moments next to a Monte Carlo estimate of the same quantities: 4000 groups of $G = 4$
+# drawn with `sample`, each run through the library's `prepare` and `loss`
+# (`method="monte_carlo"`), with standard errors.
+
+# %%
+mc = moments(mdp, policy, ESTIMATORS["RLOO"], group_size=4, method="monte_carlo",
+             num_samples=4000, generator=torch.Generator().manual_seed(8))
+ex4 = exact("RLOO", 4)
+z_var = (mc.total_variance - ex4.total_variance) / mc.total_variance_se
+z_cos = (mc.cosine - ex4.cosine) / mc.cosine_se
+print(f"RLOO, G = 4: tr Cov  Monte Carlo {mc.total_variance:.5f} ± {mc.total_variance_se:.5f}, "
+      f"exact {ex4.total_variance:.5f} ({z_var:+.2f} s.e.)")
+print(f"             cosine  Monte Carlo {mc.cosine:.4f} ± {mc.cosine_se:.4f}, "
+      f"exact {ex4.cosine:.4f} ({z_cos:+.2f} s.e.)")
+assert abs(z_var) < Z_TOL and abs(z_cos) < Z_TOL
 
 # %% [markdown]
 # ## 4. The group mean is leave-one-out, scaled by $(G-1)/G$
@@ -502,18 +520,37 @@ for G in GS:
 #
 # With two samples there are four reward pairs. If $R_1 = R_2$ the advantage is 0, for every
 # estimator here. If they differ, say $(1, 0)$: the mean is ½, the deviations are $\pm\frac12$,
-# the population std is ½ and the sample std $1/\sqrt 2$. So
+# the population std is ½. So
 #
 # | advantage of the sample with $R = 1$ | value |
 # |---|---|
 # | leave-one-out, $R_1 - R_2$ | $1$ |
 # | group mean | $\tfrac12$ |
 # | GRPO, population std | $\tfrac{1/2}{1/2} = 1$ |
-# | GRPO, sample std | $\tfrac{1/2}{1/\sqrt2} = 1/\sqrt2$ |
+# | GRPO, sample std | ? |
 #
 # and the opposite signs for the other sample. GRPO with the population std **is** RLOO at $G=2$,
-# draw by draw, so its expected gradient is exactly $\nabla J$; with the sample std it is
-# $\nabla J/\sqrt 2$. First on a sampled batch, then exactly.
+# draw by draw, so its expected gradient is exactly $\nabla J$.
+#
+# ### Exercise 1 — GRPO with the sample std at $G = 2$
+#
+# *Predict*, then compute: with the sample std (`ddof=1`, TRL's and verl's), the expected gradient
+# is $c\,\nabla J$. What is $c$? Store it in `grpo_scale_answer`, from the reward pair $(1, 0)$
+# alone, without `moments`.
+
+# %%
+# Solution
+# the pair (1, 0) has mean ½ and sample std √((½² + ½²)/(2 − 1)) = 1/√2: the advantage is
+# ±½ / (1/√2) = ±1/√2, leave-one-out's ±1 times 1/√2 in every group, so c = 1/√2
+grpo_scale_answer = 0.5 / math.sqrt((0.5 ** 2 + 0.5 ** 2) / (2 - 1))
+
+# %%
+# Check
+tokenmdp.check("tr02_grpo_scale_g2", grpo_scale_answer)
+
+# %% [markdown]
+# With the sample std the expected gradient is $\nabla J/\sqrt 2$: the direction is right, the
+# step shorter. First on a sampled batch, then exactly.
 
 # %%
 G = 2
@@ -886,12 +923,13 @@ plt.show()
 #   rescaled it is noisier than RLOO at every $G$, and it points the wrong way (cosine 0.96 to 0.98).
 
 # %% [markdown]
-# ## 8. Exercise: the variance-minimizing constant baseline
+# ## 8. Exercise 2: the variance-minimizing constant baseline
 #
-# Section 2 showed that $b = J$ is not the best constant baseline. Using the closed form of the
-# variance, find the constant $b^\star$ that minimizes $\operatorname{tr}\operatorname{Cov}[\hat g]$
-# for REINFORCE with $A_i = R_i - b$. Write it as a function of the arrays above (`w_N`, `R_N`,
-# `score_N`), without calling `moments` or `reinforce_variance`.
+# Section 2 showed that $b = J$ is not the best constant baseline. *Predict* first: is $b^\star$
+# above or below $J$? Then, using the closed form of the variance, find the constant $b^\star$
+# that minimizes $\operatorname{tr}\operatorname{Cov}[\hat g]$ for REINFORCE with $A_i = R_i - b$.
+# Write it as a function of the arrays above (`w_N`, `R_N`, `score_N`), without calling
+# `moments` or `reinforce_variance`, and store it in `b_star`.
 #
 # *Hint:* only the term $\frac1G\,\mathbb{E}[(R - b)^2\|\sigma\|^2]$ depends on $b$. Does the
 # answer depend on $G$?
@@ -905,20 +943,17 @@ def optimal_constant_baseline(w_N, R_N, score_N):
     return float((w_N * sq_norm_N) @ R_N / (w_N @ sq_norm_N))
 
 
-# %%
-# Check
 b_star = optimal_constant_baseline(w_N, R_N, score_N)
 
-# 1. against the vertex of the parabola: the closed form is exactly quadratic in b, so three
-#    evaluations determine it
-v_minus, v_zero, v_plus = (reinforce_variance(torch.full((N,), b, dtype=torch.float64), G_BASELINE)
-                           for b in (-1.0, 0.0, 1.0))
-vertex = -(v_plus - v_minus) / 2 / (v_plus + v_minus - 2 * v_zero)
-print(f"your b* = {b_star:.12f}   vertex of the parabola = {vertex:.12f}   "
-      f"difference = {b_star - vertex:.1e}   (J = {J:.6f})")
-assert abs(b_star - vertex) < EXACT_TOL, "not yet: minimize E[(R - b)^2 ‖σ‖^2] over b"
+# %%
+# Check
+tokenmdp.check("tr02_optimal_constant_baseline", b_star)
 
-# 2. against the exact moments of REINFORCE on the shifted reward, at b* and at its neighbours
+# %% [markdown]
+# The check compares $b^\star$ with the vertex of the exact variance parabola (three exact
+# `moments` calls). The exact variances at $b^\star$ and around it, next to $b = J$ and $V(x)$:
+
+# %%
 DELTA = 0.05
 print(f"\n{'baseline':>12} {'tr Cov (exact moments)':>23} {'vs b*':>10}")
 at = {}
@@ -940,6 +975,15 @@ assert all(v > at["b*"] for label, v in at.items() if label != "b*")
 # real model the score norm of every sampled sequence costs a backward pass of its own, which is why
 # trainers settle for $V(x)$ or its leave-one-out estimate.
 #
+# ## What verl / TRL / others call this
+#
+# Generated from the estimator registry's aliases (the registry's `grpo` and `dr_grpo` add the
+# clip and their own aggregation to the advantages studied here):
+
+# %%
+show(alias_box(["reinforce", "rloo", "grpo", "dr_grpo"]))
+
+# %% [markdown]
 # ## Summary
 #
 # * Any baseline that depends on the prompt only keeps REINFORCE unbiased; the variance is
