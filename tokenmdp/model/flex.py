@@ -2,7 +2,7 @@
 
 Imported only when the model's ``attention`` option selects it (never at package import), so the
 CPU path needs nothing from here. The block mask says the same thing as
-:func:`tokenmdp.model.transformer.sequence_attention_mask`: a query sees the keys of its own
+:func:`tokenmdp.model.sequence_attention_mask`: a query sees the keys of its own
 sequence at or before it, and a padding query sees only itself.
 
 On CUDA ``flex_attention`` runs compiled (``torch.compile`` with automatic dynamic shapes: one
