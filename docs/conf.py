@@ -58,6 +58,11 @@ autodoc_default_options = {"members": True, "inherited-members": False, "show-in
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
 numpydoc_xref_param_type = False
+# Every documented object: a docstring (GL08), its parameters documented (PR01) and, when it
+# returns something, a Returns section (RT01). A missing section fails the build.
+numpydoc_validation_checks = {"GL08", "PR01", "RT01"}
+# Hypothesis's @composite wrappers hide their source from the validator (their docstrings render).
+numpydoc_validation_exclude = {r"^tokenmdp\.testing\.(estimators|layouts|mdps|micro_batch_splits)$"}
 add_module_names = False
 python_use_unqualified_type_names = True
 
