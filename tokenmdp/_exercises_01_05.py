@@ -179,7 +179,7 @@ def _tr02_grpo_scale_g2() -> float:
 #: Tutorial 3's cap of sequence-level truncated IS in the exercise.
 TR03_CAP = 1.25
 #: Tutorial 3's stale distance for the token-IS exercise.
-TR03_STALE_DISTANCE = 1.0
+TR03_STALE_DISTANCE = 1.5
 
 
 def tr03_estimator(surrogate_part, correction=None) -> Estimator:
@@ -218,7 +218,7 @@ def tr03_engine(policy):
 
 
 @_exercise("tr03_token_is_relative_bias",
-           quantity="‖E[ĝ_token IS] − ∇J‖ / ‖∇J‖ with data from π_old = stale_copy(π, 1.0), "
+           quantity="‖E[ĝ_token IS] − ∇J‖ / ‖∇J‖ with data from π_old = stale_copy(π, 1.5), "
                     "G = 2, Â = R_1 − R_2 (tutorial 3, exercise 1)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
            hint="Token-level IS is unbiased for ∇L_{π_old}(π), the trust-region surrogate's "

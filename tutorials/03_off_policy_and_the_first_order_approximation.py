@@ -114,6 +114,7 @@ from tokenmdp.exact import (
     surrogate,
     values,
 )
+from tokenmdp.notebook import alias_box, show
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12  # two exact float64 computations of the same quantity
@@ -293,6 +294,7 @@ ax_c.loglog([1 + row["chi2"] for row in sweep[1:]], [1 + row["chi2"] for row in 
 ax_c.loglog([1 + row["chi2"] for row in sweep[1:]], [math.exp(row["kl"]) for row in sweep[1:]],
             ":", color="C2", label="exp KL  (≤ 1 + χ²)")
 ax_c.set_xlabel("1 + χ²(π_θ ‖ μ)")
+ax_c.set_ylabel("multiplier")
 ax_c.set_title("the variance multiplier")
 ax_c.legend(fontsize=8)
 fig.tight_layout()
@@ -415,11 +417,14 @@ ax_l.semilogy(Ts, [row["on"] for row in by_length], "^-", color="0.4",
               label="on-policy REINFORCE")
 ax_l.set_xlabel("response length T")
 ax_l.set_ylabel("total variance")
+ax_l.set_title("exact variance against the response length")
 ax_l.legend()
 ax_r.semilogy(Ts[1:], excess[1:], "o-", label="sequence-IS variance / on-policy variance")
 ax_r.semilogy(Ts[1:], [excess[-1] * (1 + chi2_tok) ** (T - Ts[-1]) for T in Ts[1:]], "k--",
               label="∝ (1 + χ²_tok)^T")
 ax_r.set_xlabel("response length T")
+ax_r.set_ylabel("variance ratio")
+ax_r.set_title("the excess of sequence IS grows like (1 + χ²_tok)^T")
 ax_r.legend()
 fig.tight_layout()
 plt.show()
@@ -480,6 +485,26 @@ for row in sweep:
 # and its bias as an estimator of $\nabla J$ **is** the surrogate's gradient error
 # $\nabla L_\mu - \nabla J$. (Also a check of `surrogate` itself: two independent computations, one
 # through the estimator library on every enumerated group, one through value tables.)
+#
+# ### Exercise 1 — token-level IS at a distance the sweep skipped
+#
+# *Predict* the relative bias $\|\mathbb{E}[\hat g_{\text{tok}}] - \nabla J\| / \|\nabla J\|$ of
+# token-level IS with data from `stale_copy(mdp, pi, distance=1.5)`: between the sweep's values at
+# $d = 1$ and $d = 2$, closer to which? Then compute it **without** `moments`, from `surrogate`
+# and `gradient` alone, and store it in `token_is_answer`.
+
+# %%
+# Solution
+# E[ĝ_tok] = ∇L_μ(π) exactly, so the bias is the surrogate's gradient error ∇L_μ − ∇J
+stale_15 = stale_copy(mdp, pi, distance=1.5)
+surrogate_error = flat_grad(surrogate(mdp, pi, stale_15), pi) - grad_J
+token_is_answer = float(surrogate_error.norm() / grad_J.norm())
+
+# %%
+# Check
+tokenmdp.check("tr03_token_is_relative_bias", token_is_answer)
+
+# %% [markdown]
 #
 # ### How good is the first-order approximation?
 #
@@ -584,6 +609,7 @@ ax_s.loglog(s_arr, [abs(anchor.gap) * (s / anchor.step) ** 2 for s in s_arr], "k
 ax_s.loglog(s_arr, [anchor.gradient_error * (s / anchor.step) for s in s_arr], "k-.", lw=0.8,
             label="slope 1")
 ax_s.set_xlabel("step s along ∇J(θ_old)")
+ax_s.set_ylabel("size")
 ax_s.legend(fontsize=8)
 ax_s.set_title("second-order gap, first-order gradient error")
 
@@ -591,6 +617,7 @@ ax_k.loglog(path_kl, [abs(p.gap) for p in path], "o-", color="C3", label="|J −
 ax_k.loglog(path_kl, [p.bound for p in path], ":", color="C3", label="2εα²L(L−1)")
 ax_k.loglog(path_kl, kl_bound, "--", color="C1", label="ε L(L−1) max_s KL_s  (Pinsker)")
 ax_k.set_xlabel("KL(π_θ ‖ π_old) of whole responses")
+ax_k.set_ylabel("|J − L| and its bounds")
 ax_k.legend(fontsize=8)
 ax_k.set_title("the gap is first order in the KL")
 fig.tight_layout()
@@ -712,10 +739,12 @@ for eps in EPSILONS + [math.inf]:
         ax_f.plot(PPO_DISTANCES, [ppo[d, eps]["clip"] for d in PPO_DISTANCES], "o-", label=label)
 ax_c.axhline(0, color="0.8", lw=0.8)
 ax_c.set_xlabel("stale distance d")
+ax_c.set_title("PPO's expected gradient against ∇J")
 ax_c.set_ylabel("cos(E[ĝ], ∇J)")
 ax_c.legend(fontsize=8)
 ax_f.set_xlabel("stale distance d")
 ax_f.set_ylabel("exact clip fraction")
+ax_f.set_title("share of tokens PPO clips")
 ax_f.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
@@ -743,8 +772,12 @@ plt.show()
 # * **IS** — multiply by $w$;
 # * **truncated IS** (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you
 #   off-policy RL training") — multiply by $\min(w, C)$;
-# * **masked IS** (MIS; IcePop, arXiv 2510.18855) — multiply by $w\,\mathbf 1\{w \le C\}$, dropping
-#   the samples whose ratio is too large; we keep masked tokens in the normalizer.
+# * **masked IS** (MIS) — multiply by $w\,\mathbf 1\{w \le C\}$, dropping the samples whose ratio
+#   is too large; we keep masked tokens in the normalizer. The sweep below masks **one-sided, at
+#   the sequence level**: a whole response goes when $W > C$. IcePop (arXiv 2510.18855) is another
+#   member of the family, a **two-sided token mask**: a token keeps its gradient only when
+#   $\alpha \le w_t \le \beta$ ($\alpha = 0.5$, $\beta = 5$; the registry's `ppo_mis`,
+#   `MaskedIS(low=0.5, high=5, level=Level.TOKEN)`), and it is shown beside the sweep.
 #
 # Each at the token level ($w_t$) or the sequence level ($W = \prod_t w_t$). From sections 1 and 2
 # we already know two answers: sequence-level IS is unbiased, and token-level IS has mean
@@ -827,7 +860,12 @@ families = {
     "MIS sequence": lambda c: MaskedIS(high=c, masked_in_normalizer=True, level=Level.SEQUENCE),
 }
 curves = {name: [with_correction(make(c)) for c in CAPS] for name, make in families.items()}
-references = {"no correction": none, "IS token": is_tok, "IS sequence": is_seq}
+references = {"no correction": none, "IS token": is_tok, "IS sequence": is_seq,
+              "IcePop (token, [0.5, 5])": with_correction(MaskedIS(low=0.5, high=5.0,
+                                                                   masked_in_normalizer=True))}
+icepop = references["IcePop (token, [0.5, 5])"]
+assert float(w_tok.min()) >= 0.5 and float(w_tok.max()) <= 5.0       # IcePop's band masks nothing
+assert (icepop.mean - is_tok.mean).abs().max() < EXACT_TOL
 
 
 def mse_of(m, groups):
@@ -852,12 +890,14 @@ panels = [("||E ĝ − ∇J||²  (IS sequence: 0)", lambda m: float(m.bias @ m.b
 for ax, (title, f) in zip(axes, panels):
     for name, ms in curves.items():
         ax.semilogy(CAPS, [f(m) for m in ms], "o-", label=name)
-    for (name, m), color in zip(references.items(), ["0.3", "C0", "C1"]):
+    for (name, m), color in zip(references.items(), ["0.3", "C0", "C1", "C4"]):
         if f(m) > EXACT_TOL:                # an unbiased estimator has no line on a log scale
             ax.axhline(f(m), ls=":", color=color, label=name)
     ax.set_xlabel("cap C")
     ax.set_title(title)
     ax.invert_xaxis()                       # from IS (large C) on the left to hard caps
+for ax, label in zip(axes, ["squared bias", "tr Cov[ĝ]", f"MSE_{B}"]):
+    ax.set_ylabel(label)
 axes[0].legend(fontsize=8)
 axes[2].legend(fontsize=8)
 fig.tight_layout()
@@ -877,9 +917,11 @@ print(f"cap with the lowest MSE_{B}: {best}")
 # * **Sequence-level IS** is unbiased but has the largest variance. Truncating it (TIS) is the
 #   gentlest way down: the bias grows smoothly as $C$ drops, the variance falls, and for a step of
 #   $B = 64$ groups the MSE is lowest at an intermediate cap.
-# * **Masking** (MIS) throws away whole responses whose ratio exceeds $C$, so its bias grows much
-#   faster once $C$ cuts into the bulk of the ratios; it is a tool against rare, huge ratios (a
-#   cap well above 1), not a variance dial.
+# * **Masking** at the sequence level (one-sided MIS) throws away whole responses whose ratio
+#   exceeds $C$, so its bias grows much faster once $C$ cuts into the bulk of the ratios; it is a
+#   tool against rare, huge ratios (a cap well above 1), not a variance dial. IcePop's two-sided
+#   token band $[0.5, 5]$ contains every token ratio of this engine (printed at the start of the
+#   section), so here it masks nothing and *is* token-level IS: its lines lie on IS token's.
 # * A cap below 1 cuts into the ratios near 1, the bulk of the distribution: every response is
 #   down-weighted, and bias takes over for every method.
 #
@@ -889,13 +931,14 @@ print(f"cap with the lowest MSE_{B}: {best}")
 # against the few tokens where the engines disagree badly.
 
 # %% [markdown]
-# ## 5. Exercise: the bias of truncated IS, in closed form
+# ## 5. Exercise 2: the bias of truncated IS, in closed form
 #
 # Take sequence-level TIS with cap $C = 1.25$ in the setting of section 4 ($\pi_\theta =
 # \pi_{\text{old}}$, sampler $\mu$, $G = 2$, $\hat A_1 = R_1 - R_2$, loss weight $1/2$). Write its
 # expected gradient as a sum over single responses, compute it **without** `moments`, using only
 # `sequence_probs`, `sequence_logprobs`, `mdp.rewards`, `mdp.prompt_probs` and `response_scores`,
-# and return the bias $\mathbb{E}[\hat g] - \nabla J$ as a flat vector.
+# as the bias $\mathbb{E}[\hat g] - \nabla J$ (a flat vector), and store its norm in
+# `tis_bias_norm`. *Predict* first: is it larger or smaller than the bias of no correction?
 #
 # *Hints.* By symmetry the expected gradient is the expectation of the first sample's term,
 # $\min(W_1, C)\,(R_1 - R_2)\,\nabla\log\pi(y_1)$, with $y_1, y_2$ independent draws from
@@ -926,21 +969,26 @@ def tis_sequence_bias(mdp, pi, mu, cap):
     return mean - gradient(mdp, pi)
 
 
-bias_answer = tis_sequence_bias(mdp, pi, mu, C_EXERCISE)
+tis_bias_norm = float(tis_sequence_bias(mdp, pi, mu, C_EXERCISE).norm())
 
 # %%
 # Check
-exact_tis = with_correction(TruncatedIS(cap=C_EXERCISE, level=Level.SEQUENCE))
-print(f"||your bias|| = {float(bias_answer.norm()):.10f}   ||bias from moments|| = "
-      f"{float(exact_tis.bias.norm()):.10f}   max |difference| = "
-      f"{float((bias_answer - exact_tis.bias).abs().max()):.1e}")
-assert torch.allclose(bias_answer, exact_tis.bias, rtol=0, atol=EXACT_TOL)
+tokenmdp.check("tr03_tis_sequence_bias_norm", tis_bias_norm)
 
 # %% [markdown]
 # The truncated weight biases the estimator twice: directly, through $-\mathbb{E}_\mu[(W - C)^+ R\,
 # \sigma]$, and through the baseline, because $\mathbb{E}_\mu[\min(W, C)\,\sigma] \ne 0$ once
 # responses are truncated. A baseline is free only under exact importance weights.
 #
+# ## What verl / TRL / others call this
+#
+# Generated from the estimator registry's aliases; the registry's TIS and MIS variants put the
+# correction of section 4 under PPO's clip:
+
+# %%
+show(alias_box(["token_is", "sequence_is", "ppo", "ppo_tis", "ppo_mis"]))
+
+# %% [markdown]
 # ## Summary
 #
 # * $\rho_t = \pi_\theta/\mu$ factors exactly into training–inference discrepancy
