@@ -272,7 +272,7 @@ TR04_CONSTANT_GROUP = 3
 
 @_exercise("tr04_rloo_token_mean_norm",
            quantity="‖E[ĝ]‖ of leave-one-out with the per-sequence token mean, G = 2, on "
-                    "tutorial 4's MDP (tutorial 4, exercise 1)",
+                    "tutorial 4's MDP (tutorial 4, exercise 2)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
            hint="The other samples are independent of y_i: E[A_i σ_i/|y_i|] = ∇E[(R − b)/|y|] "
                 "with b = J held fixed. Is there still a factor (G − 1)/G?")
@@ -285,7 +285,7 @@ def _tr04_rloo_token_mean_norm() -> float:
 
 @_exercise("tr04_constant_scale_g3",
            quantity="c in E[ĝ] = c ∇J for the constant normalizer 1/(S L_max) with the "
-                    "group-mean advantage, G = 3, L_max = 4 (tutorial 4, exercise 2)",
+                    "group-mean advantage, G = 3, L_max = 4 (tutorial 4, exercise 1)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
            hint="Each sequence's weight is 1/(G L), the same for every response; the group mean "
                 "gives E[A_i σ_i] = (G − 1)/G ∇J.")

@@ -27,11 +27,11 @@
 # | `TOKEN_MEAN` | $1 / \sum_j \lvert y_j\rvert$ | token-mean | dapo |
 # | `SEQUENCE_MEAN_TOKEN_MEAN` | $1 / (S\,\lvert y_i\rvert)$ | seq-mean-token-mean | grpo |
 # | `SEQUENCE_MEAN_TOKEN_SUM` | $1 / S$ | seq-mean-token-sum | — |
-# | `CONSTANT` | $1 / (S\,L_{\max})$ | seq-mean-token-sum-norm | dr_grpo |
+# | `CONSTANT` | $1 / (S\,L_{\max})$ | seq-mean-token-sum-norm[^verl] | dr_grpo |
 # | `TOKEN_SUM` | $1$ | token-sum | — |
 #
-# ($S$ is the number of sequences of the optimizer step, $\sum_j |y_j|$ its number of loss tokens,
-# $L_{\max}$ the response-length budget.) In this notebook we
+# ($S$ is the number of sequences of the optimizer step[^S], $\sum_j |y_j|$ its number of loss
+# tokens, $L_{\max}$ the response-length budget.) In this notebook we
 #
 # 1. print the five weight vectors side by side on one small packed batch;
 # 2. compute, **exactly**, the expected gradient of each rule on a tiny MDP where length and
@@ -44,6 +44,19 @@
 #    it exact when a batch is split into micro-batches.
 #
 # Everything is float64 on a CPU and runs in well under a minute.
+#
+# [^S]: **What $S$ counts.** Today tokenmdp counts in $S$ only the sequences that have at least one
+#     counted (loss) token; verl, TRL and the Dr. GRPO paper count every sampled sequence, also one
+#     whose tokens are all masked. The two agree whenever no sequence is entirely masked, as in
+#     every batch of this notebook.
+#
+# [^verl]: **The scale of verl's `seq-mean-token-sum-norm`.** In the version of verl's
+#     `core_algos.agg_loss` we could read (commit `012be9d`), the mode sums the micro-batch's
+#     sequence sums and divides by `loss_mask.shape[-1]`, the width of the padded response tensor,
+#     with no division by the number of sequences; how the actor then scales each micro-batch
+#     loss has changed between versions. So the overall scale depends on the version and the
+#     batching; tokenmdp's `CONSTANT` implements $w_{i,t} = 1/(S\,L_{\max})$, Dr. GRPO's
+#     constant normalizer with $L_{\max}$ the response budget.
 
 # %% [markdown]
 # ## Setup
@@ -87,6 +100,7 @@ from tokenmdp.exact import (
     sequence_probs,
 )
 from tokenmdp.exact.step_gradients import state_action_jacobian
+from tokenmdp.notebook import alias_box, show
 from tokenmdp.packing import pack_first_fit_decreasing, padded_layout, split_micro_batches
 
 # Tiny tensors: one thread avoids thread synchronization, which dominates on a small or busy CPU.
@@ -94,6 +108,7 @@ torch.set_num_threads(1)
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12  # two exact float64 computations of the same quantity
+Z_TOL = 4.0        # |Monte Carlo estimate - exact| in standard errors
 
 print("tokenmdp", tokenmdp.__version__, "| torch", torch.__version__)
 
@@ -343,6 +358,39 @@ for mode, target in predicted.items():
 # change, but one that depends on $G$ and on the length budget $L$, which is why switching
 # aggregation in a real run also means retuning the learning rate.
 #
+# ### Exercise 1 — the constant normalizer at $G = 3$
+#
+# *Predict* $c$ in $\mathbb{E}[\hat g] = c\,\nabla J$ for the constant normalizer with the
+# group-mean advantage, now with groups of $G = 3$ (still $L_{\max} = 4$), and store it in
+# `constant_scale_answer`.
+
+# %%
+# Solution
+# every sequence weighs 1/(G L), and the group mean gives E[A_i σ_i] = (G − 1)/G ∇J
+constant_scale_answer = (3 - 1) / (3 * L)
+
+# %%
+# Check
+tokenmdp.check("tr04_constant_scale_g3", constant_scale_answer)
+
+# %% [markdown]
+# The exact moments next to a Monte Carlo estimate from 4000 sampled groups, run through the
+# library's `prepare` and `loss` (`method="monte_carlo"`), for the per-sequence token mean:
+
+# %%
+per_token_mode = reinforce_group_mean.replace(aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_MEAN)
+mc = moments(mdp, policy, per_token_mode, group_size=G, method="monte_carlo", num_samples=4000,
+             generator=torch.Generator().manual_seed(12))
+exact_m = moments(mdp, policy, per_token_mode, group_size=G, jacobian=jacobian)
+z_var = (mc.total_variance - exact_m.total_variance) / mc.total_variance_se
+z_cos = (mc.cosine - exact_m.cosine) / mc.cosine_se
+print(f"seq-mean-token-mean, G = {G}: tr Cov Monte Carlo {mc.total_variance:.5f} ± "
+      f"{mc.total_variance_se:.5f}, exact {exact_m.total_variance:.5f} ({z_var:+.2f} s.e.); "
+      f"cos(E ĝ, ∇J) Monte Carlo {mc.cosine:.4f} ± {mc.cosine_se:.4f}, exact "
+      f"{exact_m.cosine:.4f} ({z_cos:+.2f} s.e.)")
+assert abs(z_var) < Z_TOL and abs(z_cos) < Z_TOL
+
+# %% [markdown]
 # ## 4. Dividing by $|y|$ changes the objective
 #
 # ### The baseline is no longer free
@@ -655,16 +703,14 @@ assert abs((padded_loss - full_loss).item()) < EXACT_TOL
 # RL, where the objective is $J$ and the per-token weights should not depend on the length of the
 # response or of its batch-mates.
 #
-# ## 7. Exercise
-#
-# ### Leave-one-out baselines and the per-token objective
+# ## 7. Exercise 2: leave-one-out baselines and the per-token objective
 #
 # RLOO (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740) uses the leave-one-out
 # advantage $A_i = R_i - \frac{1}{G-1}\sum_{j\neq i} R_j$, which is unbiased for $\nabla J$ with a
 # sum aggregation. Pair it with the per-sequence token mean (`LeaveOneOut()` with
-# `Aggregation.SEQUENCE_MEAN_TOKEN_MEAN`). Which vector is its expected gradient? Write it with
-# `flat_grad` and `length_normalized_objective`, without calling `moments`, and store it in
-# `answer`.
+# `Aggregation.SEQUENCE_MEAN_TOKEN_MEAN`). *Predict*: which vector is its expected gradient? Write
+# it with `flat_grad` and `length_normalized_objective`, without calling `moments`, as `answer`,
+# and store its norm in `rloo_token_mean_norm`.
 #
 # *Hint:* the $R_j$ with $j \neq i$ are independent of $y_i$. Is there still a factor
 # $\frac{G-1}{G}$?
@@ -676,22 +722,35 @@ assert abs((padded_loss - full_loss).item()) < EXACT_TOL
 # factor (the leave-one-out mean does not contain R_i). The mean over i of G such terms is one of
 # them, because w_i = 1/(G |y_i|).
 answer = flat_grad(length_normalized_objective(mdp, policy, baseline=J_fixed), policy)
+rloo_token_mean_norm = float(answer.norm())
 
 # %%
 # Check
+tokenmdp.check("tr04_rloo_token_mean_norm", rloo_token_mean_norm)
+
+# %% [markdown]
+# The norm is checked; the whole vector agrees with the exact moments too:
+
+# %%
 rloo_per_token = Estimator(surrogate=Reinforce(), advantage=LeaveOneOut(),
                            aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_MEAN)
 exact_mean = moments(mdp, policy, rloo_per_token, group_size=G, jacobian=jacobian).mean
-diff = float((answer - exact_mean).abs().max())
-print(f"‖your answer‖ = {float(answer.norm()):.6f}   ‖exact E ĝ‖ = {float(exact_mean.norm()):.6f}"
-      f"   max |difference| = {diff:.1e}")
-assert diff < EXACT_TOL, "not yet: compare with the group-mean case of section 4"
+print(f"max |answer − exact E ĝ| = {float((answer - exact_mean).abs().max()):.1e}")
+assert (answer - exact_mean).abs().max() < EXACT_TOL
 
 # %% [markdown]
 # An unbiased baseline does not make a biased aggregation unbiased: RLOO with a per-sequence token
 # mean ascends the same per-token objective as GRPO's group mean, just without the $\frac{G-1}{G}$
 # shrinkage.
 #
+# ## What verl / TRL / others call this
+#
+# Generated from the estimator registry's aliases (each entry names its aggregation):
+
+# %%
+show(alias_box(["grpo", "dr_grpo", "dapo"]))
+
+# %% [markdown]
 # ## Summary
 #
 # * Aggregation is a per-token weight. Within a response all five modes weigh every token equally;
