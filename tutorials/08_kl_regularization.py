@@ -53,7 +53,7 @@ import torch
 
 import tokenmdp
 from tokenmdp.estimators import Aggregation, Estimator, KLPenalty, Reinforce, kl_k1, kl_k3
-from tokenmdp.exact import moments, objective, sequence_kl, state_visitation
+from tokenmdp.exact import gradient, moments, objective, sequence_kl, state_visitation
 from tokenmdp.exact.kl_gradients import (
     kl_gradients,
     kl_penalty_moments,
@@ -69,6 +69,7 @@ from tokenmdp.notebook import (
     kl_world,
     mean_and_sd,
     show,
+    step_along,
     table,
 )
 
@@ -294,9 +295,25 @@ print("sequence task: every match as stated; k3 in the reward = ∇KL(π‖π_re
 #   $\mathbb E[(r_t - 1)\nabla\log\pi_t] = -\nabla\mathrm{KL}_{s_t}(\pi_{\text{ref}}\|\pi)$,
 #   which is why it equals the reverse gradient minus k3's loss gradient (asserted above).
 #
-# Near $\pi = \pi_{\text{ref}}$ all the non-zero rows agree to first order (every KL is
-# $\tfrac12 \delta^\top F \delta$ there); they part as the policy moves away, as here.
-#
+# Near $\pi = \pi_{\text{ref}}$, with $\theta - \theta_{\text{ref}} = \delta$, every KL is
+# $\tfrac12 \delta^\top F \delta$ to second order, so k1 in the reward and k2, k3 in the loss
+# agree to first order and part only as the policy moves away, as here. k2 and k3 in the reward
+# do not: $k_2$ is itself second order, and k3's gradient, the reverse minus the per-state
+# forward one, cancels to first order, so both penalties start out with almost no gradient at
+# all. At a step of 0.03 instead of 3:
+
+# %%
+mdp, _, ref, _ = worlds["sequence (L = 3)"]
+near = step_along(ref, gradient(mdp, ref), 0.03)
+reverse_near = kl_gradients(mdp, near, ref).reverse
+distance = {name: float((-m.mean / BETA - reverse_near).norm() / reverse_near.norm())
+            for name, m in kl_placement_moments(mdp, near, ref, coef=BETA).items()}
+show(table(list(distance.items()), ["placement, step 0.03", "‖−E ĝ/β − ∇KL(π‖π_ref)‖ / ‖∇KL‖"],
+           fmt=".4f"))
+assert max(distance["k2 in loss"], distance["k3 in loss"]) < 0.01
+assert min(distance["k2 in reward"], distance["k3 in reward"]) > 0.99
+
+# %% [markdown]
 # The same expectations from sampled batches run through the library's `prepare` and `loss`
 # (`sampled_penalty_gradients`: 200 batches of 100 responses each), coordinate by coordinate:
 
@@ -470,8 +487,8 @@ show(alias_box(["grpo", "reinforce"]))
 # * As **gradients**, on-policy: k1 in the reward is the reverse-KL gradient of whole responses;
 #   k1 in the loss is zero in expectation; k2 in the loss is the reverse KL's partial (per-state)
 #   gradient; k3 in the loss is the per-state forward-KL gradient under $\pi$'s visitation;
-#   k2 and k3 in the reward match none of these. In a bandit the partial gradients are the full
-#   ones.
+#   k2 and k3 in the reward match none of these and, near $\pi_{\text{ref}}$, have almost no
+#   gradient. In a bandit the partial gradients are the full ones.
 # * **Off-policy**, the per-token weight $\operatorname{sg}(\pi_\theta/\mu)$ repairs the action
 #   distribution at each state but not the visitation: exact in a bandit, a gap in sequences.
 # * **k1 in the loss** leaves the training run exactly as without a penalty.
