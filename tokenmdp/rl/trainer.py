@@ -64,6 +64,7 @@ model is a few hundred thousand parameters, which every rank holds whole.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -154,6 +155,18 @@ def _process_group(cfg: TrainConfig):
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _released(run: _Run):
+    """Yield ``run``; at the end drop its DDP wrapper and collect garbage, so that the wrapper's
+    hold on the process group is gone before the group is destroyed (a group freed only at
+    interpreter exit tears its gloo threads down in no defined order)."""
+    try:
+        yield run
+    finally:
+        run.trained = run.model
+        gc.collect()
+
+
 def train(cfg: TrainConfig) -> list[dict]:
     """Run ``cfg`` (RL or SFT, see the module docstring) and return this call's metrics rows.
 
@@ -193,8 +206,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     lead_process = int(os.environ.get("RANK", "0")) == 0
     lock = RunLock(out, overwrite=cfg.overwrite) if lead_process else contextlib.nullcontext()
     rows = []
-    with lock, _process_group(cfg) as device, _deterministic(cfg.deterministic):
-        run = _Run(cfg, device, init_state=init_state)
+    with lock, _process_group(cfg) as device, _deterministic(cfg.deterministic), \
+            _released(_Run(cfg, device, init_state=init_state)) as run:
         lead = run.rank == 0
         if cfg.resume:
             run.load(ckpt)
