@@ -337,7 +337,7 @@ def tr05_bf16_rollout():
 
 @_exercise("tr05_r2_routing_mismatch",
            quantity="the routing mismatch between tutorial 5's bf16 engine and the old_logprob "
-                    "pass with replay='r2' (tutorial 5, exercise 1)",
+                    "pass with replay='r2' (tutorial 5, exercise 2)",
            tolerance=SHARE_TOL, tolerance_name="SHARE_TOL",
            hint="R2 records the old pass's routing and replays it in the update passes; which "
                 "experts does the old pass itself use?")
@@ -358,7 +358,7 @@ def _tr05_r2_routing_mismatch() -> float:
 
 @_exercise("tr05_k1_estimate",
            quantity="the k1 estimate of KL(μ ‖ π_old) per token from tutorial 5's bf16 rollout, "
-                    "no routing replay (tutorial 5, exercise 2)",
+                    "no routing replay (tutorial 5, exercise 1)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
            hint="k1 averages log μ − log π_old = behavior_logprob − old_logprob over the loss "
                 "tokens sampled by μ; each term can have either sign.")

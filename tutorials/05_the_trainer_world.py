@@ -39,9 +39,10 @@
 #    partly because it routes tokens to other experts, and routing replay (R3) removes that part;
 # 3. run the real trainer: SFT to a checkpoint, then MiniRL (Zheng et al. 2025, arXiv 2512.01374)
 #    from it, and plot the curves it logged;
-# 4. check, in an exercise, what the other replay mode (R2) does to the `old_logprob` pass.
+# 4. check, in an exercise, what the other replay mode (R2) does to the `old_logprob` pass;
+# 5. skip the `old_logprob` pass on purpose and see the mismatch vanish from every number.
 #
-# The whole notebook runs in about a minute and a half on one CPU thread.
+# The whole notebook runs in well under a minute on one CPU thread.
 
 # %% [markdown]
 # ## Setup
@@ -63,9 +64,9 @@ import torch
 import tokenmdp
 from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
+from tokenmdp.notebook import alias_box, finish
 from tokenmdp.packing import pack_first_fit_decreasing
 from tokenmdp.rl.config import TrainConfig
-from tokenmdp.rl.plot import plot_runs
 from tokenmdp.rl.rollout import (
     ENGINE_ROUTING,
     OLD_ROUTING,
@@ -261,9 +262,46 @@ for precision in ("fp32", "bf16", "fp16"):
 #   that is what the importance-sampling correction of the estimator (MiniRL's
 #   $\min(\pi_{\text{old}}/\mu, 5)$) is for.
 #
-# Zheng et al. (2025) found the same in large MoE models: without routing replay the
-# training–inference mismatch grows with off-policyness and destabilizes training, and R3 is what
-# keeps the IS-corrected, on-policy-looking objective close to the true one.
+# Zheng et al. (2025, arXiv 2512.01374) study both replays in large MoE models: R2 (section 4)
+# works better when the updates are only slightly off-policy, R3 when they are far off-policy.
+# Neither is better everywhere; which one to use depends on how many updates share a rollout.
+#
+# ### Exercise 1 — the k1 estimate of the bf16 engine's KL
+#
+# The table used $k_3$. The other common estimator is $k_1$, the plain average of
+# $\log\mu - \log\pi_{\text{old}}$ over the tokens $\mu$ sampled (Schulman 2020, "Approximating
+# KL divergence"). *Predict* its sign for the bf16 engine without replay, then compute it by hand
+# from the batch's `behavior_logprob` and `old_logprob` and store it in `k1_answer`.
+
+# %%
+# Solution
+engine = RolloutEngine(model, precision="bf16")
+bf16_batch = pack_first_fit_decreasing(
+    engine.generate(rollout_prompts, max_new_tokens=MAX_NEW_TOKENS, eos_id=tok.EOS,
+                    generator=torch.Generator().manual_seed(7)), capacity)
+old_none = compute_old_logprobs(model, bf16_batch, "none")
+k1_terms = (old_none.behavior_logprob - old_none.old_logprob).double()[old_none.loss_mask]
+k1_answer = float(k1_terms.mean())
+
+# %%
+# Check
+tokenmdp.check("tr05_k1_estimate", k1_answer)
+
+# %% [markdown]
+# Negative, although a KL is never negative. $k_1$ is unbiased, but its terms take both signs, and
+# their mean has a standard error far larger than the KL itself; $k_3 = (r - 1) - \log r$ with
+# $r = \pi_{\text{old}}/\mu$ has the same expectation and is $\ge 0$ term by term:
+
+# %%
+k1_se = float(k1_terms.std() / k1_terms.numel() ** 0.5)
+print(f"{k1_terms.numel()} tokens: k1 = {k1_answer:+.2e} ± {k1_se:.1e} ({k1_answer / k1_se:+.2f} s.e.)"
+      f", k3 = {training_inference_kl(old_none, kind='k3'):.2e}, "
+      f"share of negative k1 terms {float((k1_terms < 0).double().mean()):.2f}")
+
+# %% [markdown]
+# The $k_1$ estimate is within two standard errors of zero: noise, on a KL of order $10^{-6}$.
+# The trainer logs both (`train_infer_kl_k1`, `train_infer_kl_k3`); read $k_1$ with its error
+# bar, or read $k_3$.
 
 # %% [markdown]
 # ## 3. A real run: SFT, then MiniRL from the checkpoint
@@ -276,10 +314,13 @@ for precision in ("fp32", "bf16", "fp16"):
 # * **RL**: MiniRL from the SFT checkpoint (`init=`), 200 steps of 16 prompts × $G = 8$ samples,
 #   learning rate $3\cdot10^{-4}$, a bf16 rollout engine (so that the training–inference correction
 #   has something to correct) and no routing replay (the trainer's default; try `replay="r3"`);
+#   one mini-batch per step (`minibatches=1`, the default), so every update is the first on its
+#   rollout: $\pi_\theta = \pi_{\text{old}}$ at the update, $r \equiv 1$, and PPO-style clipping of
+#   $r$ is inert; the correction $\min(\pi_{\text{old}}/\mu, 5)$ is what acts;
 # * **evaluation**: held-out exact-match accuracy on 200 prompts that training never draws,
 #   near-greedy (temperature 0.01) with the same bf16 engine.
 #
-# Both runs share the model shape and seed. They take about a minute together.
+# Both runs share the model shape and seed. They take about twenty seconds together.
 
 # %%
 tmp = tempfile.TemporaryDirectory()
@@ -299,6 +340,10 @@ rl_rows = train(rl_cfg)
 print(f"SFT: {len(sft_rows)} steps in {sum(r['time_s'] for r in sft_rows):.1f} s;"
       f" RL: {len(rl_rows)} steps in {sum(r['time_s'] for r in rl_rows):.1f} s")
 print("an RL row:", {k: round(v, 4) if isinstance(v, float) else v for k, v in rl_rows[-1].items()})
+max_r_dev = max(max(abs(r["r_max"] - 1), abs(r["r_min"] - 1)) for r in rl_rows)
+print(f"one mini-batch per step: max |r − 1| over the run {max_r_dev:.1e}, clip fraction "
+      f"{max(r['clip_fraction'] for r in rl_rows):.0f} at every step")
+assert all(r["clip_fraction"] == 0 for r in rl_rows)
 
 # %% [markdown]
 # Each row is one step: `reward` and `train_accuracy` of the step's samples (temperature 1),
@@ -320,7 +365,7 @@ def se(p: float) -> float:
 
 sft_acc = sft_rows[-1]["eval_accuracy"]
 print(f"{'run':>4} {'step':>5} {'mean train reward':>18} {'held-out accuracy':>18}"
-      f" {'KL k3':>9} {'mismatch':>9}")
+      f" {'KL k1':>10} {'KL k3':>9} {'mismatch':>9}")
 for name, rows in (("SFT", sft_rows), ("RL", rl_rows)):
     start = 0
     for r in rows:
@@ -330,7 +375,8 @@ for name, rows in (("SFT", sft_rows), ("RL", rl_rows)):
         start = r["step"] + 1
         reward = (f"{np.mean([w['reward'] for w in window]):18.3f}" if name == "RL"
                   else f"{'(demonstrations)':>18}")
-        extra = (f" {np.mean([w['train_infer_kl_k3'] for w in window]):9.2e}"
+        extra = (f" {np.mean([w['train_infer_kl_k1'] for w in window]):+10.2e}"
+                 f" {np.mean([w['train_infer_kl_k3'] for w in window]):9.2e}"
                  f" {np.mean([w['routing_mismatch'] for w in window]):9.3f}" if name == "RL" else "")
         acc = r["eval_accuracy"]
         print(f"{name:>4} {r['step'] + 1:>5} {reward} {acc:11.3f} ± {se(acc):.3f}" + extra)
@@ -339,52 +385,61 @@ print(f"\nheld-out accuracy: SFT checkpoint {sft_acc:.3f}, after {len(rl_rows)} 
       f" ({100 * (rl_acc - sft_acc):+.1f} points; each accuracy ± {100 * se(rl_acc):.1f} points SE)")
 
 # %% [markdown]
-# `tokenmdp.rl.plot.plot_runs` reads the `metrics.jsonl` of each run folder (it is also the
-# `tokenmdp plot` command). Each run's steps start at 0; the SFT run logged neither a reward nor a
-# training–inference KL (it samples nothing), so those panels show RL alone.
+# The curves on one step axis: the RL run starts where SFT stopped (its step 0 is step
+# 400 of the whole pipeline), the held-out accuracies carry ±1 binomial standard error, and the
+# SFT run logged neither a reward nor a training–inference KL (it samples nothing).
+# (`tokenmdp plot` draws each run's metrics on its own axis.)
 
 # %%
-plot_runs([runs / "sft", runs / "rl"], metrics=["eval_accuracy", "reward", "train_infer_kl_k3"])
+offset = len(sft_rows)                                      # the RL run continues the SFT steps
+fig, (ax_a, ax_r, ax_k) = plt.subplots(1, 3, figsize=(15, 4))
+for name, rows, start in (("SFT", sft_rows, 0), ("MiniRL", rl_rows, offset)):
+    ev = [r for r in rows if "eval_accuracy" in r]
+    ax_a.errorbar([start + r["step"] + 1 for r in ev], [r["eval_accuracy"] for r in ev],
+                  yerr=[se(r["eval_accuracy"]) for r in ev], fmt="o-", capsize=3, label=name)
+steps = [offset + r["step"] + 1 for r in rl_rows]
+ax_r.plot(steps, [r["reward"] for r in rl_rows], color="C1", lw=0.8, label="MiniRL, per step")
+ax_k.plot(steps, [r["train_infer_kl_k1"] for r in rl_rows], color="C2", lw=0.8, label="k1")
+ax_k.plot(steps, [r["train_infer_kl_k3"] for r in rl_rows], color="C3", lw=0.8, label="k3")
+ax_k.axhline(0, color="0.6", lw=0.8)
+finish(ax_a, title="held-out accuracy (±1 s.e.)", xlabel="step", ylabel="exact-match accuracy")
+finish(ax_r, title="mean reward of the step's samples", xlabel="step", ylabel="reward")
+finish(ax_k, title="training–inference KL(μ ‖ π_old) per token", xlabel="step", ylabel="estimate")
+fig.tight_layout()
 plt.show()
 
 # %% [markdown]
 # The SFT curve rises to the accuracy of the checkpoint. The RL reward is noisy (16 prompts per
 # step, and prompts differ a lot in difficulty), and the held-out accuracy of 200 prompts has a
 # standard error of several points, comparable to its changes between evaluations: a 200-step run
-# shows the direction, not a converged result.
+# shows the direction, not a converged result. The KL panel repeats exercise 1's lesson along the
+# run: the per-step $k_1$ dips below zero, $k_3$ never does.
 # `benchmarks/acceptance.py` runs the same recipe for 600 SFT steps and several minutes of RL on a
 # larger evaluation set; the README reports its numbers.
 #
-# ## 4. Exercise
-#
-# ### What does R2 do to the `old_logprob` pass?
+# ## 4. Exercise 2: what does R2 do to the `old_logprob` pass?
 #
 # R2 ("routing replay 2") records the routing of the `old_logprob` pass and replays it in every
 # *update* pass of the step, so that the mini-batch updates after the first see the same experts as
 # $\pi_{\text{old}}$. Sample with the bf16 engine of section 2 again (same prompts, same generator
-# seed), run `compute_old_logprobs` with `"r2"` and with `"none"`, and store in `same_old` whether
-# the two `old_logprob` tensors are identical, and in `r2_mismatch` R2's routing mismatch against
-# the engine. Then predict: which of section 2's numbers does R2 reproduce?
+# seed: exercise 1's `bf16_batch`). *Predict* which of section 2's numbers R2's routing mismatch
+# against the engine reproduces; then run `compute_old_logprobs` with `"r2"` and store that
+# mismatch in `r2_mismatch`.
 
 # %%
 # Solution
-engine = RolloutEngine(model, precision="bf16")
-bf16_batch = pack_first_fit_decreasing(
-    engine.generate(rollout_prompts, max_new_tokens=MAX_NEW_TOKENS, eos_id=tok.EOS,
-                    generator=torch.Generator().manual_seed(7)), capacity)
 old_r2 = compute_old_logprobs(model, bf16_batch, "r2")
-old_none = compute_old_logprobs(model, bf16_batch, "none")
-same_old = torch.equal(old_r2.old_logprob, old_none.old_logprob)
 r2_mismatch = routing_mismatch_rate(old_r2.token_extras[ENGINE_ROUTING],
                                     old_r2.token_extras[OLD_ROUTING])
 
 # %%
 # Check
-print(f"R2: old_logprob identical to no replay: {same_old};  routing mismatch {r2_mismatch:.4f}"
-      f" (none: {results['bf16', 'none'][0]:.4f}, R3: {results['bf16', 'r3'][0]:.4f})")
-assert same_old, "R2 replays in the update passes; the old_logprob pass routes by itself"
-assert r2_mismatch == results["bf16", "none"][0], "R2's old pass is the no-replay pass"
-assert results["bf16", "r3"][0] == 0.0, "R3 replays the engine's experts: no mismatch"
+tokenmdp.check("tr05_r2_routing_mismatch", r2_mismatch)
+
+# %%
+same_old = torch.equal(old_r2.old_logprob, old_none.old_logprob)
+print(f"R2's old_logprob identical to no replay's: {same_old}; mismatch: R2 {r2_mismatch:.4f}, "
+      f"none {results['bf16', 'none'][0]:.4f}, R3 {results['bf16', 'r3'][0]:.4f}")
 
 # %% [markdown]
 # R2 leaves the `old_logprob` pass alone: it routes by itself, exactly as without replay, so the
@@ -394,12 +449,40 @@ assert results["bf16", "r3"][0] == 0.0, "R3 replays the engine's experts: no mis
 # instead. Which matters more depends on how off-policy the updates are, the question
 # `benchmarks/replay_study.py` asks.
 #
+# ## 5. Failure mode: skip the `old_logprob` pass
+#
+# A tempting shortcut: the engine already returned a log-probability for every token, so use it as
+# `old_logprob` and save a forward pass. Then $\pi_{\text{old}}/\mu \equiv 1$ by construction:
+
+# %%
+shortcut = bf16_batch.replace(old_logprob=bf16_batch.behavior_logprob.clone())  # BROKEN ON PURPOSE
+print(f"KL(μ ‖ π_old) k3: with the old pass {training_inference_kl(old_none, kind='k3'):.2e}, "
+      f"with the shortcut {training_inference_kl(shortcut, kind='k3'):.1e}; largest log-ratio "
+      f"{float((shortcut.old_logprob - shortcut.behavior_logprob).abs().max()):.0e}")
+assert training_inference_kl(shortcut, kind="k3") == 0.0
+
+# %% [markdown]
+# Every diagnostic now reads a perfect match, and MiniRL's correction $\min(\pi_{\text{old}}/\mu, 5)$
+# is 1 on every token: the estimator silently becomes `minirl_no_is`, and the ratio $r$ of later
+# mini-batches is measured against the engine's numerics instead of the trainer's. The mismatch is
+# still there; only its measurement is gone.
+#
+# ## What verl / TRL / others call this
+#
+# Generated from the estimator registry's aliases:
+
+# %%
+alias_box(["minirl"])
+
+# %% [markdown]
 # ## Summary
 #
 # * SFT and RL are one loop over one batch type: SFT is `advantage` 1 with token-mean weights, RL
 #   fills `advantage` and `loss_weight` from the estimator, and `estimators.loss` is shared.
 # * A rollout engine in another precision samples from $\mu \ne \pi_{\text{old}}$; in an MoE part
-#   of the gap is routing, which R3 replays away, leaving a smooth gap for the IS correction.
+#   of the gap is routing, which R3 replays away, leaving a smooth gap for the IS correction; R2
+#   replays the old pass's routing in the later updates instead (Zheng et al.: R2 is better when
+#   slightly off-policy, R3 when far). $k_1$ estimates of that KL can be negative; $k_3$ cannot.
 # * `train(TrainConfig(...))` runs SFT and MiniRL with the same code; its metric rows (and
 #   `metrics.jsonl`, `tokenmdp plot`) show reward, held-out accuracy, KL and routing mismatch.
 
