@@ -146,13 +146,16 @@ def _monte_carlo_moments(g: torch.Tensor, true_grad: torch.Tensor, keep_cov: boo
     def delta_se(direction: torch.Tensor) -> float:
         return float(((centered @ direction) ** 2).sum() / (N - 1) / N) ** 0.5
     b_norm = bias.norm()
-    rel_se = delta_se(bias / b_norm) / float(gn) if b_norm > 0 else 0.0
     m_norm = mean.norm()
-    cos = mean @ true_grad / (m_norm * gn)
-    cos_dir = (true_grad / gn - cos * mean / m_norm) / m_norm
+    # relative bias and cosine are undefined where ∇J (or the mean) is zero: no standard error
+    rel_se = (delta_se(bias / b_norm) / float(gn) if b_norm > 0 else 0.0) if gn > 0 else None
+    cos_se = None
+    if gn > 0 and m_norm > 0:
+        cos = mean @ true_grad / (m_norm * gn)
+        cos_se = delta_se((true_grad / gn - cos * mean / m_norm) / m_norm)
     return Moments(mean=mean, true_gradient=true_grad, total_variance=total_var, covariance=cov,
                    method="monte_carlo", num_draws=N,
                    mean_se=centered.std(0, unbiased=True) / N ** 0.5 if N > 1 else None,
                    total_variance_se=float(sq.std() / N ** 0.5),
                    mse_se=float(err.std() / N ** 0.5),
-                   relative_bias_se=rel_se, cosine_se=delta_se(cos_dir), keep_probability=p_keep)
+                   relative_bias_se=rel_se, cosine_se=cos_se, keep_probability=p_keep)
