@@ -270,7 +270,7 @@ axes[0].legend(handles=[plt.Line2D([], [], marker="o", ls="", color="#4c72b0", m
                                    label="state (prompt + prefix)"),
                         plt.Line2D([], [], marker="s", ls="", color=LEAF_COLOR(1.0), mec="k",
                                    label="full response (green: high reward, red: low)")],
-               loc="lower left", fontsize=8)
+               loc="upper left", fontsize=8)
 fig.tight_layout()
 plt.show()
 
