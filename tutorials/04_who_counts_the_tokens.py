@@ -590,6 +590,7 @@ for ax, title, source, i in panels:
         label = name if source is tracks or name != "constant" else "constant (every ∇J mode)"
         ax.plot([t[i] for t in track], color=color, ls=ls, lw=2, label=label)
     ax.set_title(title)
+    ax.set_ylabel("J" if i == 0 else "tokens")
 for ax in axes[1]:
     ax.set_xlabel(f"exact ascent step (unit direction, length {DRIFT_LR})")
 axes[0, 1].legend(fontsize=8)
