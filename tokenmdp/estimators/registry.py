@@ -219,31 +219,49 @@ _TIS_ALIASES = ("verl rollout correction (token TIS, threshold 2); TRL "
 _MIS_ALIASES = "IcePop; ms-swift token_mask; NeMo RL ICE-POP"
 
 
-def _variant(base: str, suffix: str, summary: str, aliases: str, **changes) -> None:
+_TIS_TERM = "each token's surrogate term × sg(min(π_old/μ, 2))"
+_MIS_TERM = ("each token's surrogate term × sg(π_old/μ) · 1[0.5 ≤ π_old/μ ≤ 5] (rejects stay in "
+             "the normalizer)")
+
+
+def _variant(base: str, suffix: str, summary: str, aliases: str, *, formula: str | None = None,
+             **changes) -> None:
+    """Register ``base_suffix``: ``base`` with ``changes`` and its own ``formula`` (a formula
+    that starts with ";" is appended to the base's: what the change does to each term)."""
     parent = _ENTRIES[base]
+    if formula is None:
+        raise ValueError(f"formula: the variant {base}_{suffix} must state its formula")
+    if formula.startswith(";"):
+        formula = parent.formula + formula
 
     def factory() -> Estimator:
         return parent.build().replace(name=f"{base}_{suffix}", **changes)
     factory.__name__ = factory.__qualname__ = f"{base}_{suffix}"
     factory.__doc__ = f"{base} with {summary}."
-    _register(f"{base}_{suffix}", formula=parent.formula, paper=parent.paper,
+    _register(f"{base}_{suffix}", formula=formula, paper=parent.paper,
               aliases=aliases)(factory)
 
 
 for _base in ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo"):
     _variant(_base, "tis", "token-level truncated IS, C = 2 (Yao et al. 2025)", _TIS_ALIASES,
-             correction=_TIS)
+             formula=f"; {_TIS_TERM}", correction=_TIS)
     _variant(_base, "mis", "token-level masked IS, band [0.5, 5], rejects kept in the normalizer "
-             "(IcePop, arXiv 2510.18855)", _MIS_ALIASES, correction=_MIS)
+             "(IcePop, arXiv 2510.18855)", _MIS_ALIASES, formula=f"; {_MIS_TERM}",
+             correction=_MIS)
 _variant("gspo", "geo_mis", "geometric-mean masked IS, band [0.5, 5], rejects kept in the "
          "normalizer", _MIS_ALIASES,
+         formula="; each sequence's surrogate terms × sg(w_i) · 1[0.5 ≤ w_i ≤ 5], w_i = "
+                 "exp(mean_t log π_old/μ) (rejects stay in the normalizer)",
          correction=MaskedIS(low=0.5, high=5.0, level=Level.GEOMETRIC, masked_in_normalizer=True))
 _variant("minirl", "no_is", "no training–inference correction (the paper's 'w/o train-infer IS' "
-         "ablation, which collapses)", "--", correction=NoCorrection())
+         "ablation, which collapses)", "--",
+         formula="-1/S Σ_i Σ_t M_t sg(r_t) (R_i - mean_g) log π", correction=NoCorrection())
 _variant("minirl", "mis", "masked instead of truncated IS, band [0.5, 5]", _MIS_ALIASES,
+         formula="-1/S Σ_i Σ_t M_t sg(π_old/μ · 1[0.5 ≤ π_old/μ ≤ 5] r_t) (R_i - mean_g) log π",
          correction=_MIS)
 _variant("minirl", "len_norm", "length normalization (the paper's '+length normalization' "
          "ablation: sequence-mean of token means)", "--",
+         formula="-1/S Σ_i 1/|y_i| Σ_t M_t sg(min(π_old/μ, 5) r_t) (R_i - mean_g) log π",
          aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_MEAN)
 
 
