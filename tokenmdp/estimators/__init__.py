@@ -6,6 +6,9 @@ over a :class:`~tokenmdp.batch.TokenBatch` (reading order):
 * :mod:`~tokenmdp.estimators.advantages` — rewards and groups → per-sequence advantage;
 * :mod:`~tokenmdp.estimators.surrogates`, :mod:`~tokenmdp.estimators.sequence_surrogates` —
   the per-token term (REINFORCE, ratios, PPO clip, CISPO, MiniRL, sequence IS, GSPO);
+* :mod:`~tokenmdp.estimators.soft_surrogates`, :mod:`~tokenmdp.estimators.trust_region_masks`,
+  :mod:`~tokenmdp.estimators.per_decision` — SAPO, GMPO, an entropy bonus; DPPO's and OPSM's
+  masks; per-decision IS;
 * :mod:`~tokenmdp.estimators.corrections` — the detached training–inference factor ``π_old/μ``;
 * :mod:`~tokenmdp.estimators.aggregation` — the per-token loss weights of the step;
 * :mod:`~tokenmdp.estimators.kl` — KL to a reference policy, in the reward or in the loss;
@@ -57,6 +60,11 @@ from tokenmdp.estimators.estimator import (
     step_counts,
 )
 from tokenmdp.estimators.kl import KLPenalty, kl_k1, kl_k2, kl_k3
+from tokenmdp.estimators.per_decision import (
+    PerDecisionRatio,
+    cumulative_log_ratio,
+    per_decision_term,
+)
 from tokenmdp.estimators.registry import describe, format_table, get, names
 from tokenmdp.estimators.sequence_surrogates import (
     GSPO,
@@ -66,6 +74,14 @@ from tokenmdp.estimators.sequence_surrogates import (
     gspo_token_term,
     sequence_log_ratio,
     sequence_ratio_term,
+)
+from tokenmdp.estimators.soft_surrogates import (
+    GMPO,
+    SAPO,
+    EntropyBonus,
+    entropy_bonus_term,
+    gmpo_term,
+    sapo_term,
 )
 from tokenmdp.estimators.surrogates import (
     CISPO,
@@ -82,6 +98,13 @@ from tokenmdp.estimators.surrogates import (
     reinforce_term,
     token_ratio_term,
 )
+from tokenmdp.estimators.trust_region_masks import (
+    DPPO,
+    OffPolicySequenceMask,
+    dppo_keep_mask,
+    dppo_term,
+    off_policy_sequence_keep_mask,
+)
 
 __all__ = [
     "CISPO", "GSPO", "MAX_LOG_RATIO", "Advantage", "Aggregation", "BatchNormalized", "Correction",
@@ -97,4 +120,8 @@ __all__ = [
     "ppo_clip_term", "ppo_keep_mask", "prepare", "reinforce_term", "reward_advantage",
     "sequence_log_ratio", "sequence_ratio_term", "step_counts", "token_ratio_term",
     "training_inference_log_weight", "truncated_importance_weight",
+    # issue 15 surrogates
+    "DPPO", "GMPO", "SAPO", "EntropyBonus", "OffPolicySequenceMask", "PerDecisionRatio",
+    "cumulative_log_ratio", "dppo_keep_mask", "dppo_term", "entropy_bonus_term", "gmpo_term",
+    "off_policy_sequence_keep_mask", "per_decision_term", "sapo_term",
 ]
