@@ -1,4 +1,4 @@
-"""Exact bias and variance of any registry estimator against the true ``∇J``.
+"""Exact bias and variance of any registry estimator, or any loss callable, against the true ``∇J``.
 
 The convention. One optimizer step's batch is ``prompts_per_batch`` groups; each group draws a
 prompt ``x ~ D`` and ``G`` responses ``y_1..y_G ~ μ(·|x)`` i.i.d. The estimator's gradient on the
@@ -23,11 +23,18 @@ Methods:
   ``"auto"``: exact when at most ``max_exact_draws`` batches are needed and they fit the memory
   budget (:mod:`~tokenmdp.exact.budget`), else Monte Carlo; ``Moments.method`` says which ran.
 
+In place of an estimator, any loss callable ``loss_fn(logprobs_RC, batch) -> scalar`` (with an
+optional ``prepare``): its per-token coefficients come from autograd on each enumerated batch,
+and every *ordered* draw is enumerated unless ``order_invariant=True``
+(:mod:`~tokenmdp.exact.loss_fn_gradients`, which says what the callable sees).
+
 The result, :class:`Moments`, and its exact and Monte Carlo builders are in
 :mod:`~tokenmdp.exact.moments_result`; both modules' public names are re-exported here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +44,13 @@ from tokenmdp.exact import budget
 from tokenmdp.exact.exchangeability import _by_exchangeability, _type_keys, exchangeability_cost
 from tokenmdp.exact.ground_truth import gradient, sequence_probs
 from tokenmdp.exact.group_draws import count_draws, exact_draws, sampled_draws
+from tokenmdp.exact.loss_fn_gradients import (
+    LossFnGradients,
+    _check_loss_fn,
+    _resolve_prepare,
+    count_ordered_draws,
+    ordered_draws,
+)
 from tokenmdp.exact.mdp import TokenMDP
 from tokenmdp.exact.moments_result import Moments, _exact_moments, _monte_carlo_moments
 from tokenmdp.exact.policies import check_policy
@@ -46,6 +60,8 @@ __all__ = ["Moments", "moments", "exchangeability_cost"]
 
 #: Above this many batches to evaluate, ``method="auto"`` switches to Monte Carlo.
 MAX_EXACT_DRAWS = 200_000
+#: The same bound for a loss callable, which runs once per batch in Python.
+MAX_EXACT_CALLS = 20_000
 #: Seed of the Monte Carlo generator when ``moments`` is given none.
 DEFAULT_MC_SEED = 0
 #: Estimated bytes per evaluated batch and response of an exact method (ids, probabilities,
@@ -56,14 +72,16 @@ MAX_COVARIANCE_DIM = 512
 METHODS = ("auto", "exact", "enumeration", "exchangeability", "monte_carlo")
 
 
-def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_size: int,
-            behavior: nn.Module | None = None, old: nn.Module | None = None,
+def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *,
+            group_size: int, behavior: nn.Module | None = None, old: nn.Module | None = None,
             reference: nn.Module | None = None, prompts_per_batch: int = 1,
             method: str = "auto", num_samples: int | None = None,
             generator: torch.Generator | None = None, filter_groups: bool = False,
-            max_exact_draws: int = MAX_EXACT_DRAWS,
+            max_exact_draws: int | None = None,
             jacobian: torch.Tensor | None = None,
-            memory_budget: int | str | None = None) -> Moments:
+            memory_budget: int | str | None = None,
+            prepare: Estimator | str | Callable | None = None,
+            order_invariant: bool | None = None) -> Moments:
     """Mean, variance and bias of ``estimator``'s gradient against the true ``∇J``.
 
     Parameters
@@ -71,8 +89,10 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
     mdp : TokenMDP
     policy : policy module
         ``π_θ``, whose gradient is estimated (float64).
-    estimator : Estimator
-        Any composition, e.g. ``tokenmdp.estimators.get("grpo")``.
+    estimator : Estimator or callable
+        Any composition, e.g. ``tokenmdp.estimators.get("grpo")``; or a loss callable
+        ``loss_fn(logprobs_RC, batch) -> scalar tensor`` of one optimizer step, whose gradient
+        is ``ĝ = −∇_θ loss`` (:mod:`~tokenmdp.exact.loss_fn_gradients`).
     group_size : int
         ``G``, responses per prompt.
     behavior : policy module, optional
@@ -98,14 +118,25 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
         conditional distribution given "rewards not all equal"; ``keep_probability`` reports
         ``P(kept)`` (estimated by the acceptance rate under Monte Carlo). Not with
         exchangeability.
-    max_exact_draws : int
-        ``"auto"`` picks an exact method when it evaluates at most this many batches.
+    max_exact_draws : int, optional
+        ``"auto"`` picks an exact method when it evaluates at most this many batches (default
+        ``MAX_EXACT_DRAWS``, ``MAX_EXACT_CALLS`` for a loss callable).
     jacobian : Tensor, optional
         :func:`~tokenmdp.exact.step_gradients.state_action_jacobian` of ``policy`` at its
         current parameters, when the caller compares many estimators at one ``θ``.
     memory_budget : int or str, optional
         Bytes an exact method may need (:func:`~tokenmdp.exact.budget.memory_budget`): an exact
         method over it is refused before allocating (``"auto"`` then picks Monte Carlo).
+    prepare : callable, Estimator or str, optional
+        With a loss callable only: run on each batch before it, ``batch -> batch`` (filling
+        ``advantage``, ``loss_weight``, ...; not changing the layout), or that estimator's
+        :func:`~tokenmdp.estimators.prepare` with ``max_len = mdp.max_len``. Default: none
+        (``advantage`` and ``loss_weight`` are 1 on the response tokens).
+    order_invariant : bool, optional
+        Whether the gradient ignores the order of a group's responses, so that an exact method
+        may enumerate multisets (each standing for its orderings) instead of every ordered draw.
+        Default True for an Estimator (the registry's are), False for a loss callable; the
+        exchangeability method needs an Estimator and True.
 
     Returns
     -------
@@ -115,6 +146,9 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
 
     Raises
     ------
+    TypeError
+        ``estimator`` neither an Estimator nor a callable of ``(logprobs_RC, batch)``; a loss
+        callable that returns anything but a floating-point scalar tensor; a bad ``prepare``.
     ValueError
         Bad sizes or options, naming the argument; an exact method whose draws would exceed the
         memory budget (naming ``group_size``, the count and the bytes).
@@ -124,8 +158,17 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
     old = behavior if old is None else old
     check_policy(mdp, behavior, name="behavior")
     check_policy(mdp, old, name="old")
-    if not isinstance(estimator, Estimator):
-        raise TypeError(f"estimator: expected an Estimator, got {type(estimator).__name__}")
+    custom = not isinstance(estimator, Estimator)
+    if custom:
+        _check_loss_fn(estimator)
+    elif prepare is not None:
+        raise TypeError("prepare: only with a loss callable (an Estimator prepares itself)")
+    if order_invariant is None:
+        order_invariant = not custom
+    elif not isinstance(order_invariant, bool):
+        raise TypeError(f"order_invariant: expected a bool or None, got {order_invariant!r}")
+    if max_exact_draws is None:
+        max_exact_draws = MAX_EXACT_CALLS if custom else MAX_EXACT_DRAWS
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
     if isinstance(prompts_per_batch, bool) or not isinstance(prompts_per_batch, int) \
@@ -133,7 +176,8 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
         raise ValueError(f"prompts_per_batch: expected an int >= 1, got {prompts_per_batch!r}")
     if method not in METHODS:
         raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
-    needs_ref = "ref_logprob" in estimator.requires("prepare") + estimator.requires("loss")
+    needs_ref = not custom and "ref_logprob" in (estimator.requires("prepare")
+                                                 + estimator.requires("loss"))
     if needs_ref and reference is None:
         raise ValueError(f"reference: estimator {estimator.name!r} has a KL penalty and needs a "
                          "reference policy")
@@ -146,9 +190,14 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
                   "old_logprob": old.token_logprobs(enum)}
         if reference is not None:
             fields["ref_logprob"] = reference.token_logprobs(enum)
-    steps = StepGradients(mdp, policy, estimator, fields, group_size, jacobian)
+    if custom:
+        steps = LossFnGradients(mdp, policy, estimator, _resolve_prepare(prepare, mdp), fields,
+                                group_size, jacobian)
+    else:
+        steps = StepGradients(mdp, policy, estimator, fields, group_size, jacobian)
     method = _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
-                     max_exact_draws, memory_budget)
+                     max_exact_draws, memory_budget, ordered=not order_invariant,
+                     typed=not custom)
     d = steps.num_params
     keep_cov = d <= MAX_COVARIANCE_DIM
     true_grad = gradient(mdp, policy)
@@ -157,8 +206,8 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
                                                              keep_cov)
         return _exact_moments(mean, second, outer, true_grad, evaluated, 1.0, method)
     if method == "enumeration":
-        ids, prob, p_keep = exact_draws(mdp, mu_probs, group_size, prompts_per_batch,
-                                        filter_groups)
+        draws = exact_draws if order_invariant else ordered_draws
+        ids, prob, p_keep = draws(mdp, mu_probs, group_size, prompts_per_batch, filter_groups)
     else:
         if generator is None:
             generator = torch.Generator().manual_seed(DEFAULT_MC_SEED)
@@ -196,16 +245,23 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, group_siz
 
 
 def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
-            max_exact_draws, memory_budget=None) -> str:
+            max_exact_draws, memory_budget=None, *, ordered=False, typed=True) -> str:
     """Resolve ``auto`` / ``exact`` to a concrete method, check the requested one applies and
-    that an exact one fits the memory budget (refused from its closed-form count)."""
+    that an exact one fits the memory budget (refused from its closed-form count). ``ordered``:
+    the enumeration takes every ordered draw; ``typed``: the gradient is an Estimator's (whose
+    types the exchangeability method reads)."""
     if method == "monte_carlo":
         return method
-    exchangeable_ok = prompts_per_batch == 1 and not filter_groups and group_size >= 2
+    if method == "exchangeability" and not (typed and not ordered):
+        raise ValueError("method: exchangeability needs an Estimator and order_invariant=True "
+                         "(it reduces the other samples to an estimator's types)")
+    exchangeable_ok = (prompts_per_batch == 1 and not filter_groups and group_size >= 2
+                       and typed and not ordered)
     if method == "exchangeability" and not exchangeable_ok:
         raise ValueError("method: exchangeability needs prompts_per_batch=1, group_size >= 2 "
                          "and no filter_groups")
-    costs = {"enumeration": count_draws(mdp, group_size, prompts_per_batch)}
+    count = count_ordered_draws if ordered else count_draws
+    costs = {"enumeration": count(mdp, group_size, prompts_per_batch)}
     if exchangeable_ok and method != "enumeration":
         costs["exchangeability"] = exchangeability_cost(mdp, _type_keys(steps), mu_probs,
                                                         group_size)
