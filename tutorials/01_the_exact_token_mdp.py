@@ -11,6 +11,10 @@
 # %% [markdown]
 # # Tutorial 1 — The exact token MDP
 #
+# **The question.** A trainer pushes up the log-probability of each sampled response in
+# proportion to its reward. Does that follow the gradient of the expected reward, and how far
+# from that gradient is the estimate one batch of samples gives?
+#
 # Reinforcement learning on a language model is usually explained with samples: draw some
 # responses, score them, push up the log-probability of the good ones. Whether a given recipe
 # estimates the right thing is then a matter of belief, because the thing it should estimate, the
@@ -22,7 +26,8 @@
 #
 # 1. define the token MDP and count its responses in closed form;
 # 2. draw a tiny one as a prefix tree, with the policy's probabilities on the edges;
-# 3. compute $\nabla J$ three independent ways and watch them agree to rounding error;
+# 3. compute $\nabla J$ three independent ways and watch them agree to rounding error, then a
+#    fourth, state by state, with the policy-gradient theorem;
 # 4. check the lemma that makes policy gradients work,
 #    $\mathbb{E}_{a\sim\pi}[\nabla\log\pi(a|s)] = 0$, at every state;
 # 5. put a Monte Carlo REINFORCE estimate, with its error bars, next to the exact gradient;
@@ -59,6 +64,7 @@ from tokenmdp.exact import (
     sample,
     sequence_probs,
     state_logprobs,
+    state_visitation,
     values,
 )
 from tokenmdp.notebook import alias_box, show
@@ -330,6 +336,9 @@ assert abs(J_from_leaves - float(J_exact)) < EXACT_TOL
 # \log \pi_\theta(y\mid x) = \sum_t \log \pi_\theta(y_t \mid x, y_{<t}).
 # $$
 #
+# This is the likelihood-ratio form of the gradient behind REINFORCE (Williams 1992, *Machine
+# Learning* 8:229–256, the episodic REINFORCE algorithm: the reward times the summed
+# eligibilities $\nabla\log\pi(y_t\mid s_t)$ of the episode).
 # So $\nabla J$ is the gradient of a **weighted negative log-likelihood**, provided the weights
 # $w_y = D(x)\,\pi_\theta(y \mid x)$ are held constant (detached):
 #
@@ -459,6 +468,32 @@ for name, pol in policies.items():
 
 
 # %% [markdown]
+# ### The same gradient, state by state: the policy-gradient theorem
+#
+# The sequence form sums over responses. The **policy-gradient theorem** (Sutton, McAllester,
+# Singh and Mansour 2000, Theorem 1) sums over states instead, with the action values and the
+# visitation held fixed:
+#
+# $$
+# \nabla J = \sum_s d^\pi(s) \sum_a \nabla_\theta \pi_\theta(a\mid s)\, Q^\pi(s, a),
+# $$
+#
+# where here (undiscounted, one episode) $d^\pi(s) = D(x)\,P_\pi(\text{reach } s)$ and
+# $Q^\pi(s, a)$ is the expected reward after taking $a$ in $s$. `state_visitation` and `values`
+# compute both exactly; differentiating $\sum_s d(s) \sum_a \pi(a\mid s) Q(s, a)$ with $d$ and $Q$
+# detached must give $\nabla J$ again.
+
+# %%
+with torch.no_grad():
+    visitation_S = state_visitation(mdp, policy)              # d^π(s), [14]
+    Q_SA = values(mdp, policy).Q                              # Q^π(s, a), [14, V]
+probs_SA = torch.cat([lp.exp().reshape(-1, V) for lp in state_logprobs(mdp, policy)])
+g_pgt = flat_grad((visitation_S[:, None] * probs_SA * Q_SA).sum(), policy)
+print(f"max |policy-gradient theorem − autograd| = {float((g_pgt - g_auto).abs().max()):.1e}"
+      f"   (Σ_s d(s) = E|y| = {float(visitation_S.sum()):.4f} tokens)")
+assert torch.allclose(g_pgt, g_auto, rtol=0, atol=EXACT_TOL)
+
+# %% [markdown]
 # ## 4. The expected grad-log-prob lemma
 #
 # The identity behind every baseline, every advantage and every "this term vanishes in
@@ -546,7 +581,8 @@ assert torch.allclose(g_baseline, g_auto, rtol=0, atol=EXACT_TOL)
 # \hat g = \frac1n \sum_{i=1}^n R(x_i, y_i)\, \nabla_\theta \log \pi_\theta(y_i \mid x_i),
 # $$
 #
-# which is the same loss as route 2 with the exact weights $w_y$ replaced by the sample frequencies
+# (Williams 1992's REINFORCE with baseline 0), which is the same loss as route 2 with the exact
+# weights $w_y$ replaced by the sample frequencies
 # $1/n$. It is unbiased, $\mathbb{E}[\hat g] = \nabla J$, and each coordinate has standard error
 # $\sigma_j / \sqrt{n}$, estimated from the spread of the $n$ per-sample terms.
 #

@@ -11,6 +11,10 @@
 # %% [markdown]
 # # Tutorial 2 — Baselines and groups
 #
+# **The question.** Without a value function, GRPO-style trainers judge each response against
+# the other responses to the same prompt. Which of these group baselines leave the gradient
+# unbiased, which ones shrink or turn it, and by exactly how much?
+#
 # Tutorial 1 ended with a Monte Carlo REINFORCE estimate that was pure noise: every reward was the
 # same constant $c$, so $\nabla J = 0$, yet each sample contributed $c\,\nabla\log\pi(y\mid x)$.
 # Subtracting a **baseline** removes that noise. LLM trainers almost never have a learned value
@@ -215,7 +219,9 @@ def exact(name, G):
 # ## 2. REINFORCE, with and without a fixed baseline
 #
 # With $A_i = R_i - b(x)$ for a baseline that depends on the prompt only (the constant $b = 0$ is
-# plain REINFORCE), the estimator is **unbiased** for every choice of $b$:
+# plain REINFORCE; the reinforcement baseline $b$ is Williams 1992's, *Machine Learning*
+# 8:229–256, whose REINFORCE update is $\alpha\,(r - b)$ times the eligibility
+# $\nabla\log\pi$), the estimator is **unbiased** for every choice of $b$:
 # $\mathbb{E}[(R - b(x))\,\sigma \mid x] = g_x - b(x)\,\mathbb{E}[\sigma\mid x] = g_x$.
 #
 # Its variance has a closed form. Given $x$, the $G$ terms are i.i.d. with mean $g_x$, so
@@ -499,7 +505,10 @@ for G in GS:
 # %% [markdown]
 # ## 5. GRPO: dividing by the group's standard deviation
 #
-# GRPO (Shao et al. 2024, arXiv 2402.03300, Sec. 4.1.2) normalizes the group-mean advantage:
+# GRPO (Shao et al. 2024, arXiv 2402.03300) maximizes the PPO-clipped surrogate of its Eq. 3,
+# averaged over the $G$ responses of a group and over each response's tokens, minus a KL term;
+# with outcome rewards (its Sec. 4.1.2) every token of response $i$ gets the normalized
+# group-mean advantage
 #
 # $$
 # A_i = \frac{R_i - \bar R}{\operatorname{std}(R_1..R_G) + \varepsilon},
@@ -743,7 +752,7 @@ print(f"the line through h(0) and h(1) at r = 0.5: {line:.6f}  vs  h(0.5) = {h_o
 # below 1 with a single prompt.
 
 # %% [markdown]
-# ## 6. A baseline that peeks at its own sample
+# ## 6. Failure mode: a baseline that peeks at its own sample
 #
 # Why is leave-one-out unbiased and the group mean not? Write any group advantage as
 # $A_i = R_i - b_i$. Then

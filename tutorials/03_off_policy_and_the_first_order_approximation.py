@@ -11,6 +11,11 @@
 # %% [markdown]
 # # Tutorial 3 — Off-policy and the first-order approximation
 #
+# **The question.** The responses a trainer learns from were sampled by another policy: an
+# inference engine with other numerics, at weights a few updates old. Which importance weights
+# make the gradient right again, what does each one cost in variance, and what does the common
+# token-level shortcut estimate instead?
+#
 # In tutorial 1 every sample came from the policy we differentiate. A real RL trainer for language
 # models never has that luxury. The responses of a batch were written by an **inference engine**
 # at the weights of the last rollout, and the trainer takes several optimizer steps on them. Three
@@ -21,7 +26,8 @@
 # * $\mu$ — the *inference* engine that actually sampled the tokens: the same weights as
 #   $\pi_{\text{old}}$, other numerics (low-precision logits, other kernels, other MoE routing).
 #
-# The token weight that corrects for all of it factors exactly into two ratios:
+# The token weight that corrects for all of it factors exactly into two ratios (Zheng et al.,
+# Eq. 5):
 #
 # $$
 # \rho_t = \frac{\pi_\theta(y_t\mid s_t)}{\mu(y_t\mid s_t)}
@@ -30,10 +36,11 @@
 # \underbrace{\frac{\pi_\theta(y_t\mid s_t)}{\pi_{\text{old}}(y_t\mid s_t)}}_{\text{staleness } r_t} .
 # $$
 #
-# There are two ways to use it. **Sequence-level** importance sampling multiplies the whole
-# response's score by $\rho(y) = \prod_t \rho_t$: exactly unbiased, at a price in variance that we
-# will compute. **Token-level** importance sampling weights each token by its own $\rho_t$: low
-# variance, but it estimates the gradient of a different objective, the trust-region surrogate
+# There are two ways to use it (both are written out by Zheng et al.). **Sequence-level**
+# importance sampling multiplies the whole response's score by $\rho(y) = \prod_t \rho_t$:
+# exactly unbiased, at a price in variance that we will compute. **Token-level** importance
+# sampling weights each token by its own $\rho_t$ (their Eq. 3, the objective Qwen's trainers
+# optimize): low variance, but it estimates the gradient of a different objective, the trust-region surrogate
 # $L_\mu(\pi_\theta)$ — a first-order approximation of $J$ around $\mu$. In this notebook we
 #
 # 1. show that sequence-level IS is unbiased and watch its variance grow with the distance between
@@ -43,7 +50,8 @@
 #    first order, and both are governed by the KL divergence;
 # 3. see what PPO's clip does to the expected gradient once the policy is stale;
 # 4. separate out the training–inference discrepancy and compare no correction, IS, truncated IS
-#    and masked IS, with their exact bias and variance.
+#    and masked IS, with their exact bias and variance;
+# 5. leave the sequence ratio attached to the graph on purpose and compute what it costs.
 #
 # Everything is exact (enumeration, float64) on the tiny MDP of tutorial 1, and runs in seconds.
 
@@ -114,7 +122,7 @@ from tokenmdp.exact import (
     surrogate,
     values,
 )
-from tokenmdp.notebook import alias_box, show
+from tokenmdp.notebook import alias_box, show, table
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12  # two exact float64 computations of the same quantity
@@ -462,8 +470,9 @@ for row, e_prev, e in zip(by_length[1:], excess, excess[1:]):
 # A^\mu(s, a)\Big]}_{L_\mu(\pi_\theta)} .
 # $$
 #
-# $L_\mu$ is the surrogate of conservative policy iteration (Kakade & Langford 2002) and TRPO
-# (Schulman et al. 2015, arXiv 1502.05477): it keeps $\mu$'s state distribution and advantages, and
+# $L_\mu$ is the surrogate of conservative policy iteration (Kakade & Langford 2002, whose
+# Lemma 6.1 is the exact identity it approximates, tutorial 6) and TRPO (Schulman et al. 2015,
+# arXiv 1502.05477, Eq. 3): it keeps $\mu$'s state distribution and advantages, and
 # swaps in $\pi_\theta$'s action probabilities. It agrees with $J$ to first order at
 # $\pi_\theta = \mu$. `surrogate(mdp, policy, behavior)` computes it in closed form, so we can check
 # the identity at every distance of the sweep, for every coordinate.
@@ -636,7 +645,7 @@ print(f"gap / KL at the three smallest steps: "
 # %% [markdown]
 # ## 3. PPO's clip under staleness
 #
-# PPO (Schulman et al. 2017, arXiv 1707.06347) replaces the token term $r_t \hat A$ by
+# PPO (Schulman et al. 2017, arXiv 1707.06347, Eq. 7) replaces the token term $r_t \hat A$ by
 # $\min\big(r_t \hat A,\ \mathrm{clip}(r_t, 1-\varepsilon, 1+\varepsilon)\hat A\big)$. Its gradient is
 # the token-IS gradient with a mask: $M_t\, r_t \hat A\, \nabla\log\pi_\theta$, where $M_t = 0$
 # exactly when the ratio has already moved past the clip range in the direction the advantage pushes
@@ -980,6 +989,70 @@ tokenmdp.check("tr03_tis_sequence_bias_norm", tis_bias_norm)
 # \sigma]$, and through the baseline, because $\mathbb{E}_\mu[\min(W, C)\,\sigma] \ne 0$ once
 # responses are truncated. A baseline is free only under exact importance weights.
 #
+# ## 6. Failure mode: a sequence ratio left in the graph
+#
+# Sequence IS has two correct spellings. The ratio form $\rho(y)\hat A$ (`SequenceRatio`)
+# differentiates the ratio itself, $\nabla\rho = \rho\,\nabla\log\pi_\theta(y)$; the
+# log-prob form $\operatorname{sg}(\rho)\,\hat A\log\pi_\theta(y)$ (`Reinforce` with a
+# sequence `ImportanceSampling` correction) detaches it. Mixing them, $\rho\,\hat A
+# \log\pi_\theta(y)$ with $\rho$ still attached, adds by the product rule
+# $\hat A\log\pi_\theta(y)\,\nabla\rho$:
+#
+# $$
+# \hat g_{\text{broken}} = \rho(y)\,\hat A\,\big(1 + \log\pi_\theta(y\mid x)\big)\,
+# \nabla\log\pi_\theta(y\mid x),
+# $$
+#
+# which flips the sign for every response with $\pi_\theta(y\mid x) < 1/e$. We write both as
+# loss callables (the exact lab takes any `loss_fn(logprobs, batch)`; `prepare` fills the
+# leave-one-out advantage and the $1/S$ weights), with data from the stale policy at $d = 1$.
+
+# %%
+def sequence_is_loss(detach_ratio):
+    def loss_fn(logprobs_RC, batch):
+        rho_S = batch.sequence_sum(logprobs_RC - batch.behavior_logprob).exp()  # π_θ(y|x)/μ(y|x)
+        rho_RC = batch.to_tokens(rho_S.detach() if detach_ratio else rho_S)     # on every token
+        return -(batch.loss_weight * batch.advantage * rho_RC * logprobs_RC).sum()
+    return loss_fn
+
+
+def lab(loss_fn):
+    return moments(mdp, pi, loss_fn, group_size=G, behavior=pi_old, method=METHOD,
+                   prepare=rloo(Reinforce(), ImportanceSampling(level=Level.SEQUENCE)))
+
+
+right, broken = lab(sequence_is_loss(True)), lab(sequence_is_loss(False))
+
+# %% [markdown]
+# The predicted error is $\mathbb{E}[\operatorname{sg}(\rho)\,\hat A\,\log\pi_\theta(y)\,
+# \nabla\log\pi_\theta(y)]$, a third loss callable with everything but the last factor detached;
+# by linearity of the expectation, `broken − right` must equal it exactly.
+
+# %%
+def extra_term_loss(logprobs_RC, batch):
+    seq_logprob_S = batch.sequence_sum(logprobs_RC)
+    rho_S = (seq_logprob_S - batch.sequence_sum(batch.behavior_logprob)).exp()
+    factor_RC = batch.to_tokens((rho_S * seq_logprob_S).detach())             # sg(ρ log π(y))
+    return -(batch.loss_weight * batch.advantage * factor_RC * logprobs_RC).sum()
+
+
+predicted = lab(extra_term_loss).mean
+show(table([("detached ρ (right)", float(right.bias.norm()), right.relative_bias, right.cosine),
+             ("ρ left in the graph", float(broken.bias.norm()), broken.relative_bias,
+              broken.cosine)],
+            ["sequence IS", "‖E ĝ − ∇J‖", "relative bias", "cos(E ĝ, ∇J)"]))
+print(f"max |(broken − right) − predicted| = "
+      f"{float((broken.mean - right.mean - predicted).abs().max()):.1e}")
+assert right.bias.norm() < EXACT_TOL
+assert torch.allclose(broken.mean - right.mean, predicted, rtol=0, atol=EXACT_TOL)
+
+# %% [markdown]
+# The detached version is unbiased, as section 1 showed. Left in the graph, the ratio turns the
+# expected step against $\nabla J$: in this MDP every response has $\pi_\theta(y\mid x) < 1/e$
+# (the likeliest has 0.35), so the factor $1 + \log\pi_\theta(y)$ is negative on every
+# response, and largest in size on the unlikely ones. The loss *value* is the same in both
+# spellings; only the gradient tells them apart.
+#
 # ## What verl / TRL / others call this
 #
 # Generated from the estimator registry's aliases; the registry's TIS and MIS variants put the
@@ -1005,3 +1078,6 @@ show(alias_box(["token_is", "sequence_is", "ppo", "ppo_tis", "ppo_mis"]))
 #   tokens outside it; far from $\pi_{\text{old}}$ its mean gradient stops following $\nabla J$.
 # * Against the **training–inference discrepancy**: TIS or MIS with a cap above every ratio is IS;
 #   lowering the cap trades bias for variance, and the best cap depends on the batch size.
+# * A sequence ratio must be either differentiated alone ($\rho\hat A$) or detached
+#   ($\operatorname{sg}(\rho)\hat A\log\pi_\theta$); left attached in front of $\log\pi_\theta$
+#   it multiplies each response's term by $1 + \log\pi_\theta(y\mid x)$.
