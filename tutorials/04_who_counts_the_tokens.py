@@ -11,6 +11,10 @@
 # %% [markdown]
 # # Tutorial 4 — Who counts the tokens: aggregation and length bias
 #
+# **The question.** A loss has to average its token terms somehow: over tokens, over sequences,
+# by a constant. Does that choice only rescale the gradient, or does it change the objective the
+# model climbs, and in particular the length of the answers it learns to give?
+#
 # A policy-gradient loss on a batch of responses is a weighted negative log-likelihood,
 #
 # $$
@@ -31,7 +35,12 @@
 # | `TOKEN_SUM` | $1$ | token-sum | — |
 #
 # ($S$ is the number of sequences of the optimizer step[^S], $\sum_j |y_j|$ its number of loss
-# tokens, $L_{\max}$ the response-length budget.) In this notebook we
+# tokens, $L_{\max}$ the response-length budget.) The rows come from the papers: GRPO's
+# objective (Shao et al. 2024, arXiv 2402.03300, Eq. 3) averages each response's token terms
+# with $1/|o_i|$ and the group with $1/G$, the per-sequence token mean; DAPO's "token-level
+# policy gradient loss" (Yu et al. 2025, arXiv 2503.14476) divides by $\sum_i |o_i|$, the token
+# mean; Dr. GRPO (Liu et al. 2025, arXiv 2503.20783) drops GRPO's $1/|o_i|$, the source of what
+# it calls the response-level length bias, for a constant. In this notebook we
 #
 # 1. print the five weight vectors side by side on one small packed batch;
 # 2. compute, **exactly**, the expected gradient of each rule on a tiny MDP where length and
@@ -41,7 +50,8 @@
 #    mean) has no fixed objective at all;
 # 3. follow exact gradient ascent with each rule and watch the expected length drift;
 # 4. see why the token mean is nevertheless the right convention for *pretraining*, and how to keep
-#    it exact when a batch is split into micro-batches.
+#    it exact when a batch is split into micro-batches (and what a per-micro-batch normalizer,
+#    the failure mode, costs).
 #
 # Everything is float64 on a CPU and runs in well under a minute.
 #
@@ -653,7 +663,7 @@ print(f"average NLL per token:      {nll.item():.12f}   difference {(full_loss -
 assert abs((full_loss - nll).item()) < EXACT_TOL
 
 # %% [markdown]
-# ### Splitting a step into micro-batches
+# ### Failure mode: a normalizer computed per micro-batch
 #
 # A step rarely fits in one forward pass: it is split into micro-batches and the gradients are
 # accumulated. The token mean's normalizer $N$ is a property of the **whole step**. `prepare`
