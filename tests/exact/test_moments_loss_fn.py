@@ -199,3 +199,12 @@ def test_a_loss_that_ignores_the_log_probs_has_zero_mean(lab):
     mdp, pi, _, _ = lab
     m = moments(mdp, pi, lambda lp, b: b.reward.sum(), group_size=2)
     assert float(m.mean.abs().max()) == 0.0 and m.total_variance == 0.0
+
+
+def test_compares_python_entry_point_takes_a_callable_too():
+    from tokenmdp.comparison import Setup, build_lab, measure
+    lab = build_lab(Setup(max_len=2, group_size=2))
+    est = E.get("grpo")          # π_ref = π_old in the comparison; prepare inside the callable
+    mine = measure(lab, lambda lp, b: E.loss(lp, E.prepare(b, est), est)[0])
+    assert mine.method == "enumeration"
+    same_moments(mine, measure(lab, est))
