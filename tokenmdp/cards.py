@@ -110,7 +110,9 @@ def _setting(value) -> str:
     fields = []
     for f in dataclasses.fields(value):
         v = getattr(value, f.name)
-        v = v.__name__ if callable(v) else (v.value if isinstance(v, enum.Enum) else v)
+        # functions by name (a part holding a part, such as a wrapped surrogate, by its repr)
+        v = (v.__name__ if callable(v) and hasattr(v, "__name__")
+             else (v.value if isinstance(v, enum.Enum) else v))
         fields.append(f"{f.name}={v!r}" if isinstance(v, str) else f"{f.name}={v}")
     return f"{type(value).__name__}({', '.join(fields)})"
 
