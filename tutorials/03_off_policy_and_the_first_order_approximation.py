@@ -36,11 +36,11 @@
 # \underbrace{\frac{\pi_\theta(y_t\mid s_t)}{\pi_{\text{old}}(y_t\mid s_t)}}_{\text{staleness } r_t} .
 # $$
 #
-# There are two ways to use it (both are written out by Zheng et al.). **Sequence-level**
-# importance sampling multiplies the whole response's score by $\rho(y) = \prod_t \rho_t$:
-# exactly unbiased, at a price in variance that we will compute. **Token-level** importance
-# sampling weights each token by its own $\rho_t$ (their Eq. 3, the objective Qwen's trainers
-# optimize): low variance, but it estimates the gradient of a different objective, the trust-region surrogate
+# There are two ways to use it. **Sequence-level** importance sampling (Zheng et al., Sec. 2.2)
+# multiplies the whole response's score by $\rho(y) = \prod_t \rho_t$: exactly unbiased, at a
+# price in variance that we will compute. **Token-level** importance sampling weights each
+# token by its own $\rho_t$ (their Sec. 2.3, Eq. 3, the token-level surrogate objective): low
+# variance, but it estimates the gradient of a different objective, the trust-region surrogate
 # $L_\mu(\pi_\theta)$ — a first-order approximation of $J$ around $\mu$. In this notebook we
 #
 # 1. show that sequence-level IS is unbiased and watch its variance grow with the distance between

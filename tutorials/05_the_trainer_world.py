@@ -11,6 +11,11 @@
 # %% [markdown]
 # # Tutorial 5 — The trainer world: SFT and RL are one loop
 #
+# **The question.** Supervised fine-tuning and RL are usually taught as two different
+# algorithms. Are they one loss on one kind of batch, and what does a real trainer add on top of
+# the estimators of tutorials 1–4: a sampler with its own numerics, and a mismatch that the
+# logged numbers may or may not show?
+#
 # Tutorials 1-4 computed gradients *exactly* on MDPs small enough to enumerate. This one leaves the
 # exact world for the trainer world of `tokenmdp.rl`: a tiny MoE transformer, a verifiable task
 # (2-digit addition, `"12+7="` → `"19"`), a rollout engine with its own numerics, and one training
@@ -37,8 +42,8 @@
 # 1. build one SFT batch and one RL batch by hand and print their fields side by side;
 # 2. look at the rollout engine's own numerics: a bf16 engine samples from $\mu \ne \pi_{\text{old}}$,
 #    partly because it routes tokens to other experts, and routing replay (R3) removes that part;
-# 3. run the real trainer: SFT to a checkpoint, then MiniRL (Zheng et al. 2025, arXiv 2512.01374)
-#    from it, and plot the curves it logged;
+# 3. run the real trainer: SFT to a checkpoint, then MiniRL (Zheng et al. 2025, arXiv 2512.01374,
+#    Sec. 4.1) from it, and plot the curves it logged;
 # 4. check, in an exercise, what the other replay mode (R2) does to the `old_logprob` pass;
 # 5. skip the `old_logprob` pass on purpose and see the mismatch vanish from every number.
 #
@@ -64,7 +69,8 @@ import torch
 import tokenmdp
 from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
-from tokenmdp.notebook import alias_box, finish
+from tokenmdp.exact import inference_copy, sample, sequence_kl
+from tokenmdp.notebook import alias_box, copy_task, finish, table
 from tokenmdp.packing import pack_first_fit_decreasing
 from tokenmdp.rl.config import TrainConfig
 from tokenmdp.rl.rollout import (
@@ -84,6 +90,7 @@ torch.set_num_threads(1)
 MODEL = dict(d_model=64, n_layers=2, n_heads=4, n_experts=4, top_k=2, expert_hidden=64)
 MAX_NEW_TOKENS = 4  # an answer has at most 3 digits, then EOS
 EXACT_TOL = 1e-12   # two float64 computations of the same quantity
+Z_TOL = 4.0         # |Monte Carlo estimate - exact| in standard errors
 
 task = get_task("addition")
 tok = task.tokenizer
@@ -262,7 +269,8 @@ for precision in ("fp32", "bf16", "fp16"):
 #   that is what the importance-sampling correction of the estimator (MiniRL's
 #   $\min(\pi_{\text{old}}/\mu, 5)$) is for.
 #
-# Zheng et al. (2025, arXiv 2512.01374) study both replays in large MoE models: R2 (section 4)
+# Zheng et al. (2025, arXiv 2512.01374, Sec. 3.2 and 4.4) study both replays in large MoE
+# models: R2 (section 4)
 # works better when the updates are only slightly off-policy, R3 when they are far off-policy.
 # Neither is better everywhere; which one to use depends on how many updates share a rollout.
 #
@@ -302,6 +310,31 @@ print(f"{k1_terms.numel()} tokens: k1 = {k1_answer:+.2e} ± {k1_se:.1e} ({k1_ans
 # The $k_1$ estimate is within two standard errors of zero: noise, on a KL of order $10^{-6}$.
 # The trainer logs both (`train_infer_kl_k1`, `train_infer_kl_k3`); read $k_1$ with its error
 # bar, or read $k_3$.
+#
+# The transformer's KL cannot be computed exactly, but the same estimators can be checked where
+# it can: the copy task of tutorial 1 with $\mu$ = its policy's logits rounded to bf16
+# (`inference_copy`, tutorial 7). Summed over a response, both $k_1 = \log(\mu/\pi_{\text{old}})$
+# and $k_3$ have expectation $\mathrm{KL}(\mu\,\|\,\pi_{\text{old}})$ of whole responses, which
+# `sequence_kl` computes exactly.
+
+# %%
+toy_mdp, toy_old = copy_task()
+toy_mu = inference_copy(toy_old, rounding="bf16")         # the engine: logits rounded to bf16
+with torch.no_grad():
+    toy_kl = float(sequence_kl(toy_mdp, toy_mu, toy_old))
+    toy = sample(toy_mdp, toy_mu, 20000, generator=torch.Generator().manual_seed(0))
+    log_w = toy_old.token_logprobs(toy) - toy_mu.token_logprobs(toy)   # log π_old/μ, 0 off y
+    per_response = {"k1": toy.sequence_sum(-log_w),
+                    "k3": toy.sequence_sum(torch.where(toy.loss_mask, torch.expm1(log_w) - log_w, 0))}
+rows = [(k, float(v.mean()), float(v.std() / v.numel() ** 0.5), toy_kl) for k, v in per_response.items()]
+assert all(abs(r[1] - r[3]) < Z_TOL * r[2] for r in rows)
+table([r + ((r[1] - r[3]) / r[2],) for r in rows],
+      ["estimator", "Monte Carlo", "± s.e.", "exact KL", "z"], fmt=".3g")
+
+# %% [markdown]
+# Both are unbiased; $k_1$'s error bar is about a thousand times wider than $k_3$'s, so from
+# 20000 responses it cannot even tell the sign of a KL of $10^{-6}$, while $k_3$ pins it down.
+# That is the transformer's table above, with the exact answer beside it.
 
 # %% [markdown]
 # ## 3. A real run: SFT, then MiniRL from the checkpoint
