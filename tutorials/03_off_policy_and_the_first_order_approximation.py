@@ -1037,12 +1037,11 @@ def extra_term_loss(logprobs_RC, batch):
 
 
 predicted = lab(extra_term_loss).mean
-show(table([("detached ρ (right)", float(right.bias.norm()), right.relative_bias, right.cosine),
-             ("ρ left in the graph", float(broken.bias.norm()), broken.relative_bias,
-              broken.cosine)],
-            ["sequence IS", "‖E ĝ − ∇J‖", "relative bias", "cos(E ĝ, ∇J)"]))
-print(f"max |(broken − right) − predicted| = "
-      f"{float((broken.mean - right.mean - predicted).abs().max()):.1e}")
+show(table([(name, float(m.bias.norm()), m.relative_bias, m.cosine) for name, m in
+            (("detached ρ (right)", right), ("ρ left in the graph", broken))],
+           ["sequence IS", "‖E ĝ − ∇J‖", "relative bias", "cos(E ĝ, ∇J)"]))
+gap = float((broken.mean - right.mean - predicted).abs().max())
+print(f"max |(broken − right) − predicted| = {gap:.1e}")
 assert right.bias.norm() < EXACT_TOL
 assert torch.allclose(broken.mean - right.mean, predicted, rtol=0, atol=EXACT_TOL)
 
