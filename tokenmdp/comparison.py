@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -239,7 +240,7 @@ def build_lab(setup: Setup) -> Lab:
     return Lab(setup, mdp, policy, old, behavior, state_action_jacobian(mdp, policy))
 
 
-def measure(lab: Lab, estimator: estimators.Estimator, *,
+def measure(lab: Lab, estimator: estimators.Estimator | Callable, *,
             behavior: nn.Module | None = None) -> Moments:
     """:func:`tokenmdp.exact.moments` of ``estimator`` in ``lab`` (``π_ref = π_old``).
 
@@ -250,8 +251,9 @@ def measure(lab: Lab, estimator: estimators.Estimator, *,
     ----------
     lab : Lab
         The built comparison (group size, method and samples from its setup).
-    estimator : Estimator
-        The estimator whose moments are computed.
+    estimator : Estimator or callable
+        The estimator whose moments are computed, or a loss callable
+        ``loss_fn(logprobs_RC, batch) -> scalar`` (see :func:`tokenmdp.exact.moments`).
     behavior : nn.Module, optional
         The sampler to use instead of ``lab.behavior``.
 
