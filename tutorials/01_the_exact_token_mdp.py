@@ -53,6 +53,20 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import tokenmdp
+from tokenmdp.course.t01 import (
+    calibration_table,
+    count_table,
+    flat_grad_retained,
+    leaf_table,
+    lemma_table,
+    monte_carlo_figure,
+    monte_carlo_table,
+    prefix_tree_figure,
+    response_ids,
+    response_table,
+    route_agreement_table,
+    route_table,
+)
 from tokenmdp.exact import (
     LogLinearPolicy,
     NeuralPolicy,
@@ -137,10 +151,7 @@ mdp = TokenMDP(V, L, copy_reward, prompts=[(0,), (1,)], prompt_probs=[0.6, 0.4])
 print(mdp)
 print("non-terminal states:", mdp.num_states, "| EOS id:", mdp.eos)
 print()
-print(f"{'prompt':>7} {'response':>14} {'length':>6} {'R(x,y)':>7}")
-for (x, y), r in zip(mdp.responses()[:15], mdp.rewards[:15].tolist(), strict=True):
-    shown = " ".join("EOS" if t == EOS else str(t) for t in y)
-    print(f"{str(x):>7} {shown:>14} {len(y):>6} {r:>+7.0f}")
+print(response_table(mdp, first=15))
 
 
 # %% [markdown]
@@ -170,14 +181,12 @@ def brute_force_count(V, L):
     return count
 
 
-print(f"{'V':>3} {'L':>3} {'closed form':>12} {'brute force':>12} {'TokenMDP':>9} "
-      f"{'difference':>11}")
-for v, l in [(2, 1), (2, 5), (3, 1), (3, 3), (4, 4), (5, 3)]:
-    m = TokenMDP(v, l, lambda x, y: 0.0)      # one prompt, zero reward: only the count matters
-    exact = closed_form_count(v, l)
-    print(f"{v:>3} {l:>3} {exact:>12} {brute_force_count(v, l):>12} {m.num_sequences:>9} "
-          f"{m.num_sequences - exact:>11}")
-    assert m.num_sequences == exact == brute_force_count(v, l) == len(m.responses())
+# %%
+counts = count_table([(2, 1), (2, 5), (3, 1), (3, 3), (4, 4), (5, 3)], closed_form_count,
+                     brute_force_count)          # TokenMDP(V, L) with one prompt and zero reward
+print(counts)
+for v, l, exact, brute, enumerated, _ in counts.rows:
+    assert enumerated == exact == brute == len(TokenMDP(v, l, lambda x, y: 0.0).responses())
 
 per_prompt = closed_form_count(V, L)
 assert mdp.num_sequences == mdp.num_prompts * per_prompt
@@ -211,73 +220,7 @@ print(f"V = 150000, L = 4000: N has about {digits:,.0f} decimal digits")
 policy = TabularPolicy(mdp, generator=torch.Generator().manual_seed(0), init_std=1.0)
 print("parameters:", sum(p.numel() for p in policy.parameters()), "=", tuple(policy.table.shape))
 
-TOKEN_NAME = {a: str(a) for a in range(V)} | {EOS: "EOS"}
-LEAF_COLOR = plt.get_cmap("RdYlGn")
-
-
-def draw_prefix_tree(ax, mdp, policy, p):
-    # Draw the prefix tree of prompt p left to right: depth on the x axis, leaves one per row.
-    with torch.no_grad():
-        step_probs = [lp.exp() for lp in state_logprobs(mdp, policy)]  # per depth k: [P, b^k, V]
-        seq_probs = sequence_probs(mdp, policy)
-    x = mdp.prompts[p]
-    leaves = {y: (r, q) for (px, y), r, q in
-              zip(mdp.responses(), mdp.rewards.tolist(), seq_probs.tolist(), strict=True)
-              if px == x}
-    r_lo, r_hi = min(mdp.rewards.tolist()), max(mdp.rewards.tolist())
-    rows = itertools.count()  # leaves take consecutive rows, top to bottom
-
-    def leaf(y, depth):
-        row = -next(rows)
-        r, q = leaves[y]
-        ax.plot(depth, row, "s", ms=9, mec="k", color=LEAF_COLOR((r - r_lo) / (r_hi - r_lo)))
-        cut = "  (truncated)" if y[-1] != mdp.eos else ""
-        ax.text(depth + 0.12, row, f"R={r:+.0f}  π(y|x)={q:.3f}{cut}", va="center", fontsize=8)
-        return row
-
-    def state(prefix):
-        k = len(prefix)
-        if k == mdp.max_len:  # L non-EOS tokens: the prefix is itself a (truncated) response
-            return leaf(prefix, k)
-        code = int(mdp.encode(torch.tensor(prefix, dtype=torch.long).reshape(1, k)))
-        probs = step_probs[k][p, code]
-        children = []
-        for a in range(mdp.vocab_size):
-            row = leaf(prefix + (a,), k + 1) if a == mdp.eos else state(prefix + (a,))
-            children.append((a, row))
-        row = sum(r for _, r in children) / len(children)
-        for a, child_row in children:
-            ax.plot([k, k + 1], [row, child_row], color="0.65", lw=1, zorder=0)
-            ax.text(k + 0.5, (row + child_row) / 2, f"{TOKEN_NAME[a]}: {float(probs[a]):.2f}",
-                    ha="center", va="center", fontsize=7.5,
-                    bbox=dict(fc="white", ec="none", pad=0.3))
-        ax.plot(k, row, "o", ms=8, color="#4c72b0", mec="k", zorder=2)
-        label = f"x={x}" if k == 0 else " ".join(map(str, prefix))
-        ax.text(k, row + 0.35, label, ha="center", va="bottom", fontsize=8)
-        return row
-
-    state(())
-    ax.set_xlim(-0.3, mdp.max_len + 1.9)
-    ax.set_xticks(range(mdp.max_len + 1))
-    ax.set_xlabel("response tokens so far (depth)")
-    ax.set_ylabel("one row per full response")
-    ax.set_yticks([])
-    for side in ("left", "right", "top"):
-        ax.spines[side].set_visible(False)
-    ax.set_title(f"prompt x = {x},  D(x) = {float(mdp.prompt_probs[p]):.1f}")
-
-
-fig, axes = plt.subplots(1, 2, figsize=(15, 7.5))
-for p, ax in enumerate(axes):
-    draw_prefix_tree(ax, mdp, policy, p)
-fig.suptitle("Prefix tree: circles are states, squares are full responses "
-             "(colour = reward), edges are tokens with π(a|s)")
-axes[0].legend(handles=[plt.Line2D([], [], marker="o", ls="", color="#4c72b0", mec="k",
-                                   label="state (prompt + prefix)"),
-                        plt.Line2D([], [], marker="s", ls="", color=LEAF_COLOR(1.0), mec="k",
-                                   label="full response (green: high reward, red: low)")],
-               loc="upper left", fontsize=8)
-fig.tight_layout()
+fig = prefix_tree_figure(mdp, policy)
 plt.show()
 
 # %% [markdown]
@@ -298,17 +241,12 @@ with torch.no_grad():
     tables = values(mdp, policy)                              # V and Q at every state
     J_exact = objective(mdp, policy)
 
-print(f"{'prompt':>6} {'Σ_y π(y|x)':>12} {'J_x from leaves':>16} {'V(root)':>15} "
-      f"{'difference':>11}")
-J_from_leaves = 0.0
-for p in range(mdp.num_prompts):
-    mine = mdp.terminal_prompt_index == p
-    j_x = float((probs_S[mine] * mdp.rewards[mine]).sum())
-    root_value = float(tables.V[mdp.level_offsets[0] + p])   # depth-0 state of prompt p
-    print(f"{str(mdp.prompts[p]):>6} {float(probs_S[mine].sum()):>12.9f} {j_x:>16.12f} "
-          f"{root_value:>15.12f} {j_x - root_value:>11.1e}")
-    assert abs(float(probs_S[mine].sum()) - 1) < EXACT_TOL and abs(j_x - root_value) < EXACT_TOL
-    J_from_leaves += float(mdp.prompt_probs[p]) * j_x
+leaves = leaf_table(mdp, probs_S, tables.V)                   # per prompt: Σ π, J_x, V(root)
+print(leaves)
+for _, total, j_x, root_value, _ in leaves.rows:
+    assert abs(total - 1) < EXACT_TOL and abs(j_x - root_value) < EXACT_TOL
+J_from_leaves = sum(float(d_x) * j_x for d_x, (_, _, j_x, _, _) in
+                    zip(mdp.prompt_probs, leaves.rows, strict=True))
 
 print(f"\nJ = Σ_x D(x) J_x = {J_from_leaves:.12f}   objective(mdp, policy) = {float(J_exact):.12f}"
       f"   difference = {J_from_leaves - float(J_exact):.1e}")
@@ -378,6 +316,7 @@ def grad_reinforce_enumerated(mdp, policy):
     return -flat_grad(loss, policy)
 
 
+# %%
 def grad_finite_differences(mdp, policy, h=FD_STEP):
     probe = copy.deepcopy(policy)                             # leave `policy` untouched
     theta = parameters_to_vector(probe.parameters()).detach()
@@ -394,12 +333,6 @@ def grad_finite_differences(mdp, policy, h=FD_STEP):
     return out
 
 
-g_auto = grad_autograd(mdp, policy)
-g_enum = grad_reinforce_enumerated(mdp, policy)
-g_fd = grad_finite_differences(mdp, policy)
-print("∇J has", g_auto.numel(), "coordinates")
-
-
 # %% [markdown]
 # For a tabular policy, coordinate $j$ is the logit of token $j \bmod V$ at state $\lfloor j/V
 # \rfloor$, so we can name every coordinate. States are numbered level by level (depth 0 of every
@@ -407,23 +340,11 @@ print("∇J has", g_auto.numel(), "coordinates")
 # coordinates of the first four states, the three routes side by side, and the differences.
 
 # %%
-def state_names(mdp):
-    # "x | prefix" for every non-terminal state, in state-id order
-    names = []
-    for k in range(mdp.max_len):
-        prompt_index, prefix = mdp.level_prefixes(k)
-        for p, pre in zip(prompt_index.tolist(), prefix.tolist(), strict=True):
-            names.append(f"{mdp.prompts[p]} | " + (" ".join(map(str, pre)) or "·"))
-    return names
-
-
-STATE = state_names(mdp)
-print(f"{'coord':>5} {'state':>10} {'token':>5} {'autograd':>13} {'REINFORCE':>13} "
-      f"{'finite diff':>13} {'auto-REINF':>11} {'auto-FD':>10}")
-for j in range(4 * V):
-    print(f"{j:>5} {STATE[j // V]:>10} {TOKEN_NAME[j % V]:>5} {float(g_auto[j]):>13.9f} "
-          f"{float(g_enum[j]):>13.9f} {float(g_fd[j]):>13.9f} "
-          f"{float(g_auto[j] - g_enum[j]):>11.1e} {float(g_auto[j] - g_fd[j]):>10.1e}")
+g_auto = grad_autograd(mdp, policy)
+g_enum = grad_reinforce_enumerated(mdp, policy)
+g_fd = grad_finite_differences(mdp, policy)
+print("∇J has", g_auto.numel(), "coordinates")
+print(route_table(mdp, g_auto, g_enum, g_fd, coords=range(4 * V)))   # the first four states
 
 print(f"\nmax over all {g_auto.numel()} coordinates: |autograd - REINFORCE| = "
       f"{float((g_auto - g_enum).abs().max()):.1e},  |autograd - finite diff| = "
@@ -449,22 +370,12 @@ policies = {
     "LogLinearPolicy": LogLinearPolicy(mdp, generator=torch.Generator().manual_seed(1)),
     "NeuralPolicy": NeuralPolicy(mdp, generator=torch.Generator().manual_seed(2), hidden=4),
 }
-print(f"{'policy':>16} {'params':>6} {'J (objective)':>14} {'J (enumerated batch)':>21} "
-      f"{'|auto-REINF|':>13} {'|auto-FD|':>10}")
-for name, pol in policies.items():
-    batch = mdp.enumerate()
-    with torch.no_grad():
-        seq_logprobs_S = batch.sequence_sum(pol.token_logprobs(batch))
-        j_batch = (mdp.prompt_probs[batch.prompt_index] * seq_logprobs_S.exp() * batch.reward).sum()
-        j_obj = objective(mdp, pol)
-    ga = grad_autograd(mdp, pol)
-    ge = grad_reinforce_enumerated(mdp, pol)
-    gf = grad_finite_differences(mdp, pol)
-    print(f"{name:>16} {ga.numel():>6} {float(j_obj):>14.10f} {float(j_batch):>21.10f} "
-          f"{float((ga - ge).abs().max()):>13.1e} {float((ga - gf).abs().max()):>10.1e}")
-    assert abs(float(j_obj - j_batch)) < EXACT_TOL
-    assert torch.allclose(ga, ge, rtol=0, atol=EXACT_TOL)
-    assert torch.allclose(ga, gf, rtol=0, atol=FD_TOL)
+routes = route_agreement_table(mdp, policies, grad_autograd, grad_reinforce_enumerated,
+                               grad_finite_differences)
+print(routes)
+for _, _, j_obj, j_batch, autograd_vs_reinforce, autograd_vs_fd in routes.rows:
+    assert abs(j_obj - j_batch) < EXACT_TOL
+    assert autograd_vs_reinforce <= EXACT_TOL and autograd_vs_fd <= FD_TOL
 
 
 # %% [markdown]
@@ -513,32 +424,22 @@ assert torch.allclose(g_pgt, g_auto, rtol=0, atol=EXACT_TOL)
 # %%
 def expected_score_per_state(mdp, policy):
     # For every state s: E_a[∇ log π(a|s)] as a flat vector, and max_a ||∇ log π(a|s)||.
-    params = list(policy.parameters())
-
-    def grad_vector(output):  # like flat_grad, but keeps the graph for the next output
-        grads = torch.autograd.grad(output, params, retain_graph=True, allow_unused=True)
-        return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
-                          for p, g in zip(params, grads, strict=True)])
-
     logprobs_N = torch.cat([lp.reshape(-1, mdp.vocab_size)             # log π(.|s), one row
                             for lp in state_logprobs(mdp, policy)])    # per state: [14, V]
     expectations, score_norms = [], []
     for logprobs in logprobs_N:
         # Stop-gradient: π(a|s) is the sampling distribution of a in E_a[...], a weight, so only
         # ∇ log π(a|s) is differentiated; the sum is then E_a[∇ log π(a|s)].
-        expectations.append(grad_vector((logprobs.exp().detach() * logprobs).sum()))
-        score_norms.append(max(float(grad_vector(logprobs[a]).norm())
+        expectations.append(flat_grad_retained((logprobs.exp().detach() * logprobs).sum(), policy))
+        score_norms.append(max(float(flat_grad_retained(logprobs[a], policy).norm())
                                for a in range(mdp.vocab_size)))
     return torch.stack(expectations), torch.tensor(score_norms)
 
 
-print(f"{'policy':>16} {'max_s ||E_a[∇log π(a|s)]||_∞':>29} {'exact':>6} {'difference':>11} "
-      f"{'min_s max_a ||∇log π(a|s)||':>28}")
-for name, pol in policies.items():
-    expectation_SN, score_norm_S = expected_score_per_state(mdp, pol)
-    violation = float(expectation_SN.abs().max())
-    print(f"{name:>16} {violation:>29.1e} {0:>6} {violation:>11.1e} "
-          f"{float(score_norm_S.min()):>28.3f}")
+# %%
+lemma = lemma_table(mdp, policies, expected_score_per_state)
+print(lemma)
+for _, violation, _, _, _ in lemma.rows:
     assert violation < EXACT_TOL
 
 
@@ -612,24 +513,11 @@ def response_scores(mdp, policy):
     # [N, num_params]: ∇ log π(y|x) of every response, in canonical order.
     batch = mdp.enumerate()
     seq_logprobs_S = batch.sequence_sum(policy.token_logprobs(batch))
-    params = list(policy.parameters())
-    rows = []
-    for i in range(batch.num_sequences):
-        grads = torch.autograd.grad(seq_logprobs_S[i], params, retain_graph=True, allow_unused=True)
-        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
-                               for p, g in zip(params, grads, strict=True)]))
-    return torch.stack(rows)
+    return torch.stack([flat_grad_retained(seq_logprobs_S[i], policy)
+                        for i in range(batch.num_sequences)])
 
 
-def response_ids(mdp, batch):
-    # Canonical response id of every sequence of a sampled batch.
-    rpos = batch.response_position                                 # [R, C], -1 off the response
-    on = rpos >= 0
-    responses = torch.full((batch.num_sequences, mdp.max_len), mdp.eos, dtype=torch.long)
-    responses[batch.sequence_id[on], rpos[on]] = batch.tokens[on]
-    return mdp.terminal_index(batch.prompt_index, responses, batch.length)
-
-
+# %%
 scores_N = response_scores(mdp, policy)                            # [30, 42]
 ids = response_ids(mdp, batch_mc)
 # the ids point at the right responses: compare the token tuples themselves
@@ -643,6 +531,7 @@ assert torch.allclose(terms_n.mean(0), g_mc, rtol=0, atol=EXACT_TOL)
 
 se_mc = terms_n.std(0) / N_SAMPLES ** 0.5                          # estimated standard errors
 
+# %%
 # Exact moments of one sample's term R ∇log π(y|x), by enumeration.
 with torch.no_grad():
     w_N = mdp.prompt_probs[mdp.terminal_prompt_index] * sequence_probs(mdp, policy)
@@ -662,31 +551,9 @@ assert torch.allclose(mean_exact, g_auto, rtol=0, atol=EXACT_TOL)
 # (deep prefixes) have small gradients and small bars, because few samples pass through them.
 
 # %%
-coords = list(range(g_auto.numel()))
 visible = se_mc > 0                                # a state no sample reached has no error bar
 z = torch.where(visible, (g_mc - g_auto) / torch.where(visible, se_mc, 1.0), torch.nan)
-
-fig, (ax_g, ax_z) = plt.subplots(2, 1, figsize=(14, 7.5), sharex=True,
-                                 gridspec_kw=dict(height_ratios=[2, 1]))
-ax_g.errorbar(coords, g_mc.numpy(), yerr=2 * se_mc.numpy(), fmt="o", ms=4, capsize=2,
-              color="#4c72b0", label=f"Monte Carlo REINFORCE, n = {N_SAMPLES}, ±2 s.e.")
-ax_g.plot(coords, g_auto.numpy(), "x", ms=8, mew=2, color="#c44e52", label="exact ∇J")
-ax_g.axhline(0, color="0.8", lw=0.8)
-ax_g.set_ylabel("∂J/∂θ_j")
-ax_g.set_title("REINFORCE estimate of every coordinate of ∇J, with ±2 standard errors")
-ax_g.legend(loc="upper right")
-z_shown = z.nan_to_num(0.0).tolist()
-ax_z.bar(coords, z_shown, color=["#4c72b0" if abs(v) <= 2 else "#c44e52" for v in z_shown])
-for level in (-2, 2):
-    ax_z.axhline(level, color="0.5", ls="--", lw=0.8)
-ax_z.set_ylabel("z-score")
-ax_z.set_title("z = (estimate − exact) / estimated s.e.  (dashed: ±2)")
-ax_z.set_xlabel("coordinate j  (state ⌊j/3⌋, token j mod 3)")
-for ax in (ax_g, ax_z):
-    for s in range(1, mdp.num_states):
-        ax.axvline(s * V - 0.5, color="0.9", lw=0.8, zorder=0)
-ax_z.set_xticks([s * V + 1 for s in range(mdp.num_states)], STATE, rotation=60, fontsize=7)
-fig.tight_layout()
+fig = monte_carlo_figure(mdp, g_mc, se_mc, g_auto, z, n_samples=N_SAMPLES)
 plt.show()
 
 # %% [markdown]
@@ -696,12 +563,7 @@ plt.show()
 
 # %%
 top = g_auto.abs().argsort(descending=True)[:8].sort().values
-print(f"{'coord':>5} {'state':>10} {'token':>5} {'MC estimate':>12} {'s.e. (est)':>11} "
-      f"{'s.e. (exact)':>13} {'exact ∇J':>11} {'difference':>11} {'z':>6}")
-for j in top.tolist():
-    print(f"{j:>5} {STATE[j // V]:>10} {TOKEN_NAME[j % V]:>5} {float(g_mc[j]):>12.5f} "
-          f"{float(se_mc[j]):>11.5f} {float(se_exact[j]):>13.5f} {float(g_auto[j]):>11.5f} "
-          f"{float(g_mc[j] - g_auto[j]):>+11.5f} {float(z[j]):>+6.2f}")
+print(monte_carlo_table(mdp, top.tolist(), g_mc, se_mc, se_exact, g_auto, z))
 
 inside = (z[visible].abs() <= 2).double().mean()
 print(f"\n|z| <= 2 for {float(inside):.0%} of the {int(visible.sum())} coordinates with an "
@@ -733,14 +595,8 @@ for _ in range(REPEATS):
     squared_errors.append(float((g_hat - g_auto).pow(2).sum()))
 z_squared = torch.cat(z_squared)
 
-rows = [("mean z_j^2", float(z_squared.mean()), 1.0),
-        ("mean ||ĝ - ∇J||^2", sum(squared_errors) / REPEATS,
-         float(cov_exact.trace()) / N_SAMPLES),
-        ("fraction |z_j| <= 2", float((z_squared <= 4).double().mean()), 0.9545)]
 print(f"{REPEATS} repetitions of n = {N_SAMPLES}\n")
-print(f"{'quantity':>20} {'estimate':>10} {'exact':>10} {'difference':>11}")
-for name, estimate, exact in rows:
-    print(f"{name:>20} {estimate:>10.4g} {exact:>10.4g} {estimate - exact:>+11.2g}")
+print(calibration_table(z_squared, squared_errors, cov_exact, N_SAMPLES))
 
 
 # %% [markdown]
