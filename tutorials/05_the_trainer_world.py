@@ -69,9 +69,18 @@ import torch
 import tokenmdp
 from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
+from tokenmdp.course.t05 import (
+    batch_summary,
+    binomial_se,
+    evaluation_table,
+    fields_table,
+    hand_written_groups,
+    packed_rollouts,
+    run_summary,
+    training_curves,
+)
 from tokenmdp.exact import inference_copy, sample, sequence_kl
-from tokenmdp.notebook import alias_box, copy_task, finish, table
-from tokenmdp.packing import pack_first_fit_decreasing
+from tokenmdp.notebook import alias_box, copy_task, table
 from tokenmdp.rl.config import TrainConfig
 from tokenmdp.rl.rollout import (
     ENGINE_ROUTING,
@@ -113,12 +122,6 @@ print(f"vocabulary: {tok.vocab_size} ids (PAD = {tok.PAD}, EOS = {tok.EOS}, then
 examples = task.sample(3, np.random.default_rng(5))
 prompts = [tok.encode(ex.prompt) for ex in examples]
 
-
-def wrong(answer: str, k: int) -> str:
-    # a wrong answer: the right one with its last digit shifted by k
-    return answer[:-1] + str((int(answer[-1]) + k) % 10)
-
-
 # SFT: one demonstration per prompt, reward 1
 sft_batch = TokenBatch.from_sequences(
     prompts, [tok.encode(ex.answer) + [tok.EOS] for ex in examples],
@@ -126,19 +129,13 @@ sft_batch = TokenBatch.from_sequences(
 
 # RL: a group of G = 3 responses per prompt (right, wrong, wrong), scored by the task
 G = 3
-rl_examples = [ex for ex in examples for _ in range(G)]
-rl_responses = [tok.encode(text) + [tok.EOS] for ex in examples
-                for text in (ex.answer, wrong(ex.answer, 1), wrong(ex.answer, 3) + "0")]
+rl_examples, rl_responses = hand_written_groups(tok, examples)  # answer, last digit +1, +3 then "0"
 rl_batch = TokenBatch.from_sequences(
     [tok.encode(ex.prompt) for ex in rl_examples], rl_responses,
     rewards=[task.reward(ex, r) for ex, r in zip(rl_examples, rl_responses)],
     groups=[i for i in range(len(examples)) for _ in range(G)])
 
-for ex in examples:
-    print(f"{ex.prompt!r:>9} -> {ex.answer!r}")
-print(f"SFT batch: {sft_batch.num_sequences} sequences, {sft_batch.num_loss_tokens} loss tokens")
-print(f"RL batch:  {rl_batch.num_sequences} sequences, {rl_batch.num_loss_tokens} loss tokens,"
-      f" rewards {rl_batch.reward.tolist()}")
+print(batch_summary(examples, sft_batch, rl_batch))
 
 # %% [markdown]
 # Now the estimators fill the two fields. SFT is an estimator like any other, `SFT_ESTIMATOR` of
@@ -162,23 +159,9 @@ rl_batch = rl_batch.replace(old_logprob=lp, behavior_logprob=lp.clone())
 sft_prepared = estimators.prepare(sft_batch, SFT_ESTIMATOR)
 rl_prepared = estimators.prepare(rl_batch, minirl, max_len=MAX_NEW_TOKENS)
 
-
-def show(batch: TokenBatch, title: str) -> None:
-    # one line per sequence: its text, reward, and the two fields on its loss tokens
-    print(title)
-    print(f"  {'seq':>3} {'text':<12} {'R':>4}  {'advantage on loss tokens':<28} loss_weight")
-    for s in range(batch.num_sequences):
-        rows, cols = torch.nonzero(batch.sequence_id == s, as_tuple=True)
-        text = tok.decode(batch.tokens[rows, cols].tolist()) + "·"
-        m = batch.loss_mask[rows, cols]
-        adv = " ".join(f"{a:+.3f}" for a in batch.advantage[rows, cols][m].tolist())
-        w = " ".join(f"{x:.4f}" for x in batch.loss_weight[rows, cols][m].tolist())
-        print(f"  {s:>3} {text:<12} {float(batch.reward[s]):>4.1f}  {adv:<28} {w}")
-
-
-show(sft_prepared, "SFT (A = 1, w = 1 / answer tokens of the step):")
-show(rl_prepared, "RL, MiniRL (A = R - group mean, w = 1 / S):")
-
+# one line per sequence: its text, reward, and the two fields on its loss tokens
+print(fields_table(sft_prepared, tok, "SFT (A = 1, w = 1 / answer tokens of the step):"))
+print(fields_table(rl_prepared, tok, "RL, MiniRL (A = R - group mean, w = 1 / S):"))
 
 # %% [markdown]
 # (`·` marks EOS.) The SFT weights are all $1/N$ with $N$ the number of answer tokens of the step;
@@ -244,9 +227,8 @@ print(f"{'engine':>6} {'replay':>6} {'routing mismatch':>17} {'KL(μ‖π_old), 
 results = {}
 for precision in ("fp32", "bf16", "fp16"):
     engine = RolloutEngine(model, precision=precision)
-    sampled = engine.generate(rollout_prompts, max_new_tokens=MAX_NEW_TOKENS, eos_id=tok.EOS,
-                              generator=torch.Generator().manual_seed(7))
-    sampled = pack_first_fit_decreasing(sampled, capacity)  # the trainer packs before the pass
+    sampled = packed_rollouts(engine, rollout_prompts, max_new_tokens=MAX_NEW_TOKENS,  # packed
+                              eos_id=tok.EOS, capacity=capacity, seed=7)  # as the trainer packs
     for replay in ("none", "r3"):
         b = compute_old_logprobs(model, sampled, replay)
         mismatch = routing_mismatch_rate(b.token_extras[ENGINE_ROUTING], b.token_extras[OLD_ROUTING])
@@ -284,9 +266,8 @@ for precision in ("fp32", "bf16", "fp16"):
 # %%
 # Solution
 engine = RolloutEngine(model, precision="bf16")
-bf16_batch = pack_first_fit_decreasing(
-    engine.generate(rollout_prompts, max_new_tokens=MAX_NEW_TOKENS, eos_id=tok.EOS,
-                    generator=torch.Generator().manual_seed(7)), capacity)
+bf16_batch = packed_rollouts(engine, rollout_prompts, max_new_tokens=MAX_NEW_TOKENS,
+                             eos_id=tok.EOS, capacity=capacity, seed=7)  # section 2's samples
 old_none = compute_old_logprobs(model, bf16_batch, "none")
 k1_terms = (old_none.behavior_logprob - old_none.old_logprob).double()[old_none.loss_mask]
 k1_answer = float(k1_terms.mean())
@@ -370,12 +351,7 @@ rl_cfg = TrainConfig(mode="rl", estimator="minirl", init=str(runs / "sft" / "che
                      out_dir=str(runs / "rl"), **common)
 rl_rows = train(rl_cfg)
 
-print(f"SFT: {len(sft_rows)} steps in {sum(r['time_s'] for r in sft_rows):.1f} s;"
-      f" RL: {len(rl_rows)} steps in {sum(r['time_s'] for r in rl_rows):.1f} s")
-print("an RL row:", {k: round(v, 4) if isinstance(v, float) else v for k, v in rl_rows[-1].items()})
-max_r_dev = max(max(abs(r["r_max"] - 1), abs(r["r_min"] - 1)) for r in rl_rows)
-print(f"one mini-batch per step: max |r − 1| over the run {max_r_dev:.1e}, clip fraction "
-      f"{max(r['clip_fraction'] for r in rl_rows):.0f} at every step")
+print(run_summary(sft_rows, rl_rows))  # steps and time, the last RL row, max |r - 1|
 assert all(r["clip_fraction"] == 0 for r in rl_rows)
 
 # %% [markdown]
@@ -389,33 +365,13 @@ assert all(r["clip_fraction"] == 0 for r in rl_rows)
 
 # %%
 n_eval = rl_cfg.eval_size
-
-
-def se(p: float) -> float:
-    # binomial standard error of an accuracy measured on n_eval prompts
-    return (p * (1 - p) / n_eval) ** 0.5
-
-
+# one line per evaluation step; the train reward and the KL are means since the previous one
+print(evaluation_table({"SFT": sft_rows, "RL": rl_rows}, n_eval))
 sft_acc = sft_rows[-1]["eval_accuracy"]
-print(f"{'run':>4} {'step':>5} {'mean train reward':>18} {'held-out accuracy':>18}"
-      f" {'KL k1':>10} {'KL k3':>9} {'mismatch':>9}")
-for name, rows in (("SFT", sft_rows), ("RL", rl_rows)):
-    start = 0
-    for r in rows:
-        if "eval_accuracy" not in r:
-            continue
-        window = rows[start:r["step"] + 1]
-        start = r["step"] + 1
-        reward = (f"{np.mean([w['reward'] for w in window]):18.3f}" if name == "RL"
-                  else f"{'(demonstrations)':>18}")
-        extra = (f" {np.mean([w['train_infer_kl_k1'] for w in window]):+10.2e}"
-                 f" {np.mean([w['train_infer_kl_k3'] for w in window]):9.2e}"
-                 f" {np.mean([w['routing_mismatch'] for w in window]):9.3f}" if name == "RL" else "")
-        acc = r["eval_accuracy"]
-        print(f"{name:>4} {r['step'] + 1:>5} {reward} {acc:11.3f} ± {se(acc):.3f}" + extra)
 rl_acc = rl_rows[-1]["eval_accuracy"]
 print(f"\nheld-out accuracy: SFT checkpoint {sft_acc:.3f}, after {len(rl_rows)} MiniRL steps {rl_acc:.3f}"
-      f" ({100 * (rl_acc - sft_acc):+.1f} points; each accuracy ± {100 * se(rl_acc):.1f} points SE)")
+      f" ({100 * (rl_acc - sft_acc):+.1f} points;"
+      f" each accuracy ± {100 * binomial_se(rl_acc, n_eval):.1f} points SE)")
 
 # %% [markdown]
 # The curves on one step axis: the RL run starts where SFT stopped (its step 0 is step
@@ -424,21 +380,7 @@ print(f"\nheld-out accuracy: SFT checkpoint {sft_acc:.3f}, after {len(rl_rows)} 
 # (`tokenmdp plot` draws each run's metrics on its own axis.)
 
 # %%
-offset = len(sft_rows)                                      # the RL run continues the SFT steps
-fig, (ax_a, ax_r, ax_k) = plt.subplots(1, 3, figsize=(15, 4))
-for name, rows, start in (("SFT", sft_rows, 0), ("MiniRL", rl_rows, offset)):
-    ev = [r for r in rows if "eval_accuracy" in r]
-    ax_a.errorbar([start + r["step"] + 1 for r in ev], [r["eval_accuracy"] for r in ev],
-                  yerr=[se(r["eval_accuracy"]) for r in ev], fmt="o-", capsize=3, label=name)
-steps = [offset + r["step"] + 1 for r in rl_rows]
-ax_r.plot(steps, [r["reward"] for r in rl_rows], color="C1", lw=0.8, label="MiniRL, per step")
-ax_k.plot(steps, [r["train_infer_kl_k1"] for r in rl_rows], color="C2", lw=0.8, label="k1")
-ax_k.plot(steps, [r["train_infer_kl_k3"] for r in rl_rows], color="C3", lw=0.8, label="k3")
-ax_k.axhline(0, color="0.6", lw=0.8)
-finish(ax_a, title="held-out accuracy (±1 s.e.)", xlabel="step", ylabel="exact-match accuracy")
-finish(ax_r, title="mean reward of the step's samples", xlabel="step", ylabel="reward")
-finish(ax_k, title="training–inference KL(μ ‖ π_old) per token", xlabel="step", ylabel="estimate")
-fig.tight_layout()
+fig = training_curves(sft_rows, rl_rows, n_eval)  # the RL run continues the SFT steps
 plt.show()
 
 # %% [markdown]
