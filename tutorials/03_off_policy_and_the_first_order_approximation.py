@@ -79,50 +79,39 @@
 
 # %%
 # %matplotlib inline
-import copy
 import math
 
 import matplotlib.pyplot as plt
 import torch
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import tokenmdp
+from tokenmdp.course import t03
+from tokenmdp.course.t03 import one_sample, response_scores, rloo
 from tokenmdp.estimators import (
-    Aggregation,
-    Estimator,
     ImportanceSampling,
-    LeaveOneOut,
     Level,
     MaskedIS,
     NoCorrection,
     PPOClip,
     Reinforce,
-    RewardAsAdvantage,
     SequenceRatio,
     TokenRatio,
     TruncatedIS,
-    loss,
-    ppo_keep_mask,
-    prepare,
 )
 from tokenmdp.exact import (
-    TabularPolicy,
-    TokenMDP,
     first_order_path,
     flat_grad,
     gradient,
     inference_copy,
     moments,
-    sample,
     sequence_kl,
     sequence_logprobs,
     sequence_probs,
     stale_copy,
-    state_logprobs,
     surrogate,
     values,
 )
-from tokenmdp.notebook import alias_box, show, table
+from tokenmdp.notebook import alias_box, copy_task, ppo_clip_fraction, show, table
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12  # two exact float64 computations of the same quantity
@@ -137,30 +126,13 @@ print("tokenmdp", tokenmdp.__version__, "| torch", torch.__version__)
 torch.set_num_threads(1)
 
 # %%
-V, L = 3, 3
+mdp, pi = copy_task()                      # tutorial 1's copy task and its seeded policy
+V, L = mdp.vocab_size, mdp.max_len
 EOS = V - 1
-
-
-def copy_reward(prompt, response):
-    # +1 per response token equal to the prompt token, -1 if the response was truncated
-    copies = sum(token == prompt[0] for token in response)
-    truncated = response[-1] != EOS
-    return copies - 1.0 * truncated
-
-
-mdp = TokenMDP(V, L, copy_reward, prompts=[(0,), (1,)], prompt_probs=[0.6, 0.4])
-pi = TabularPolicy(mdp, generator=torch.Generator().manual_seed(0), init_std=1.0)
 grad_J = gradient(mdp, pi)
 
-
-def rloo(surrogate_part, correction=None):
-    # The estimator of this notebook: leave-one-out advantage, loss weight 1/S per token, and
-    # the surrogate (and training-inference correction) under study.
-    correction = NoCorrection() if correction is None else correction
-    return Estimator(surrogate=surrogate_part, advantage=LeaveOneOut(), correction=correction,
-                     aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_SUM)
-
-
+# t03.rloo(surrogate, correction): leave-one-out advantage, loss weight 1/S per token, and the
+# surrogate (and training-inference correction) under study
 on_policy = moments(mdp, pi, rloo(Reinforce()), group_size=G, method=METHOD)
 print(f"{mdp.num_sequences} responses, {mdp.num_states} states, "
       f"{grad_J.numel()} parameters, ||∇J|| = {float(grad_J.norm()):.4f}")
@@ -211,24 +183,21 @@ assert on_policy.bias.norm() < EXACT_TOL
 
 # %%
 pi_old = stale_copy(mdp, pi, distance=1.0)
+
+
+def from_pi_old(estimator, **kwargs):
+    return moments(mdp, pi, estimator, group_size=G, behavior=pi_old, method=METHOD, **kwargs)
+
+
 pairs = {
-    "sequence IS": (moments(mdp, pi, rloo(SequenceRatio()), group_size=G, behavior=pi_old,
-                            method=METHOD),
-                    moments(mdp, pi, rloo(Reinforce(), ImportanceSampling(level=Level.SEQUENCE)),
-                            group_size=G, behavior=pi_old, old=pi, method=METHOD)),
-    "token IS": (moments(mdp, pi, rloo(TokenRatio()), group_size=G, behavior=pi_old,
-                         method=METHOD),
-                 moments(mdp, pi, rloo(Reinforce(), ImportanceSampling(level=Level.TOKEN)),
-                         group_size=G, behavior=pi_old, old=pi, method=METHOD)),
+    "sequence IS": (from_pi_old(rloo(SequenceRatio())),
+                    from_pi_old(rloo(Reinforce(), ImportanceSampling(level=Level.SEQUENCE)), old=pi)),
+    "token IS": (from_pi_old(rloo(TokenRatio())),
+                 from_pi_old(rloo(Reinforce(), ImportanceSampling(level=Level.TOKEN)), old=pi)),
 }
-print(f"{'estimator':>12} {'surrogate: ||E ĝ||':>19} {'correction: ||E ĝ||':>20} "
-      f"{'max |Δ E ĝ|':>12} {'Δ variance':>11}")
-for name, (by_surrogate, by_correction) in pairs.items():
-    diff = float((by_surrogate.mean - by_correction.mean).abs().max())
-    dvar = by_surrogate.total_variance - by_correction.total_variance
-    print(f"{name:>12} {float(by_surrogate.mean.norm()):>19.6f} "
-          f"{float(by_correction.mean.norm()):>20.6f} {diff:>12.1e} {dvar:>11.1e}")
-    assert diff < EXACT_TOL and abs(dvar) < EXACT_TOL
+compositions = t03.composition_table(pairs)
+print(compositions)
+assert all(diff < EXACT_TOL and abs(dvar) < EXACT_TOL for *_, diff, dvar in compositions.rows)
 
 
 # %% [markdown]
@@ -252,6 +221,7 @@ def chi_square(mdp, p, q):
         return float((prompt_weights_N * (2 * log_p - log_q).exp()).sum()) - 1.0
 
 
+# %%
 DISTANCES = [0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 6.0]
 sweep = []
 for d in DISTANCES:
@@ -264,15 +234,9 @@ for d in DISTANCES:
         seq=moments(mdp, pi, rloo(SequenceRatio()), group_size=G, behavior=stale, method=METHOD),
         tok=moments(mdp, pi, rloo(TokenRatio()), group_size=G, behavior=stale, method=METHOD)))
 
-print(f"{'d':>5} {'KL(π‖μ)':>8} {'exp KL':>7} {'1+χ²':>8} | {'seq IS ||bias||':>15} "
-      f"{'seq IS var':>10} | {'token IS ||bias||/||∇J||':>24} {'token IS var':>12}")
-for row in sweep:
-    s, t = row["seq"], row["tok"]
-    print(f"{row['distance']:>5.2f} {row['kl']:>8.4f} {math.exp(row['kl']):>7.3f} "
-          f"{1 + row['chi2']:>8.3f} | {float(s.bias.norm()):>15.1e} {s.total_variance:>10.4f} | "
-          f"{t.relative_bias:>24.4f} {t.total_variance:>12.4f}")
-    assert s.bias.norm() < EXACT_TOL                     # unbiased at every distance
-    assert math.exp(row["kl"]) <= 1 + row["chi2"] + EXACT_TOL
+print(t03.sweep_table(sweep))
+assert all(row["seq"].bias.norm() < EXACT_TOL for row in sweep)   # unbiased at every distance
+assert all(math.exp(row["kl"]) <= 1 + row["chi2"] + EXACT_TOL for row in sweep)
 
 # %% [markdown]
 # Sequence-level IS is unbiased to rounding error at every distance, while its variance climbs
@@ -281,31 +245,7 @@ for row in sweep:
 # On a plot against the KL, with the multiplier $1 + \chi^2$ beside it:
 
 # %%
-kls = [row["kl"] for row in sweep]
-fig, (ax_v, ax_c) = plt.subplots(1, 2, figsize=(12, 4.2))
-ax_v.semilogy(kls, [row["seq"].total_variance for row in sweep], "o-", label="sequence IS")
-ax_v.semilogy(kls, [row["tok"].total_variance for row in sweep], "s-", label="token IS")
-ax_v.axhline(on_policy.total_variance, color="0.5", ls=":", label="on-policy RLOO")
-for row in sweep[-4:]:
-    ax_v.annotate(f"d={row['distance']:g}", (row["kl"], row["seq"].total_variance),
-                  textcoords="offset points", xytext=(-10, 6), fontsize=8)
-ax_v.set_xlabel("KL(π_θ ‖ μ) of whole responses")
-ax_v.set_ylabel("total variance tr Cov[ĝ]")
-ax_v.set_title(f"exact variance of one group (G = {G})")
-ax_v.legend()
-
-ratio = [row["seq"].total_variance / on_policy.total_variance for row in sweep]
-ax_c.loglog([1 + row["chi2"] for row in sweep[1:]], ratio[1:], "o-",
-            label="sequence-IS variance / on-policy variance")
-ax_c.loglog([1 + row["chi2"] for row in sweep[1:]], [1 + row["chi2"] for row in sweep[1:]], "k--",
-            label="1 + χ²  (slope 1)")
-ax_c.loglog([1 + row["chi2"] for row in sweep[1:]], [math.exp(row["kl"]) for row in sweep[1:]],
-            ":", color="C2", label="exp KL  (≤ 1 + χ²)")
-ax_c.set_xlabel("1 + χ²(π_θ ‖ μ)")
-ax_c.set_ylabel("multiplier")
-ax_c.set_title("the variance multiplier")
-ax_c.legend(fontsize=8)
-fig.tight_layout()
+t03.plot_sweep_variance(sweep, on_policy.total_variance, group_size=G)
 plt.show()
 
 
@@ -342,38 +282,11 @@ plt.show()
 # autograd, as in tutorial 1, with the backward passes of all responses batched.
 
 # %%
-def response_scores(mdp, policy):
-    # [N, num_params]: ∇ log π(y|x) of every response, in canonical order
-    batch = mdp.enumerate()
-    seq_logprobs_S = batch.sequence_sum(policy.token_logprobs(batch))
-    n = seq_logprobs_S.numel()
-    # one vector-Jacobian product per response, batched: row i of the identity selects response i
-    grads = torch.autograd.grad(seq_logprobs_S, list(policy.parameters()),
-                                grad_outputs=torch.eye(n, dtype=torch.float64),
-                                is_grads_batched=True)
-    return torch.cat([g.reshape(n, -1) for g in grads], dim=1)
-
-
 DELTA, NO_EOS = 1.5, -40.0
 LENGTHS = range(1, 7)
-
-
-def fixed_length_pair(T):
-    # (mdp, π, μ): every response has T tokens; μ uniform on {0, 1}; π prefers 0 by DELTA
-    mdp_T = TokenMDP(V, T, lambda x, y: sum(t == 0 for t in y) / len(y))
-    mu_T = TabularPolicy(mdp_T, generator=torch.Generator().manual_seed(0), init_std=0.0)
-    pi_T = TabularPolicy(mdp_T, generator=torch.Generator().manual_seed(0), init_std=0.0)
-    with torch.no_grad():
-        mu_T.table[:, EOS] = NO_EOS
-        pi_T.table[:, EOS] = NO_EOS
-        pi_T.table[:, 0] = DELTA
-    return mdp_T, pi_T, mu_T
-
-
-def one_sample(surrogate_part):
-    return Estimator(surrogate=surrogate_part, advantage=RewardAsAdvantage(),
-                     aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_SUM)
-
+# t03.response_scores(mdp, policy): [N, num_params], ∇ log π(y|x) of every response in canonical
+# order, one vector-Jacobian product per response, batched (is_grads_batched)
+# t03.fixed_length_pair(T, ...): (mdp, π, μ), every response T tokens, reward = fraction of zeros
 
 with torch.no_grad():
     p_tok = torch.softmax(torch.tensor([DELTA, 0.0, NO_EOS], dtype=torch.float64), -1)
@@ -381,32 +294,32 @@ with torch.no_grad():
     chi2_tok = float((p_tok ** 2 / q_tok).sum()) - 1
 print(f"per-token χ² = {chi2_tok:.6f}\n")
 
-by_length = []
-print(f"{'T':>2} {'1+χ²_seq':>9} {'(1+χ²_tok)^T':>12} {'diff':>8} | {'E||ĝ||² (moments)':>17} "
-      f"{'(1+χ²) E_q[R²||σ||²]':>20} {'diff':>8}")
-for T in LENGTHS:
-    mdp_T, pi_T, mu_T = fixed_length_pair(T)
-    chi2_seq = chi_square(mdp_T, pi_T, mu_T)
-    seq_T = moments(mdp_T, pi_T, one_sample(SequenceRatio()), group_size=1, behavior=mu_T,
-                    method=METHOD)
-    tok_T = moments(mdp_T, pi_T, one_sample(TokenRatio()), group_size=1, behavior=mu_T,
-                    method=METHOD)
-    on_T = moments(mdp_T, pi_T, one_sample(Reinforce()), group_size=1, method=METHOD)
+
+# %%
+def second_moment(mdp_T, pi_T, mu_T, seq_T):
+    # E||ĝ||² from the exact moments, and (1 + χ²_seq) E_q[R² ||σ||²] with q ∝ π²/μ
     scores = response_scores(mdp_T, pi_T)
     with torch.no_grad():
         tilted = (2 * sequence_logprobs(mdp_T, pi_T) - sequence_logprobs(mdp_T, mu_T)).exp()
         tilted = tilted / tilted.sum()                                # q ∝ π²/μ
         tilted_second = (tilted * mdp_T.rewards ** 2 * scores.pow(2).sum(1)).sum()
-        predicted = (1 + chi2_seq) * float(tilted_second)
-    second = seq_T.total_variance + float(seq_T.mean @ seq_T.mean)
-    power = (1 + chi2_tok) ** T
-    print(f"{T:>2} {1 + chi2_seq:>9.5f} {power:>12.5f} {1 + chi2_seq - power:>8.1e} | "
-          f"{second:>17.6f} {predicted:>20.6f} {second - predicted:>8.1e}")
-    assert abs(1 + chi2_seq - power) < EXACT_TOL
-    assert abs(second - predicted) < EXACT_TOL * max(1.0, predicted)
-    by_length.append(dict(T=T, seq=seq_T.total_variance, tok=tok_T.total_variance,
-                          on=on_T.total_variance, tok_bias=tok_T.relative_bias,
-                          seq_bias=seq_T.relative_bias))
+    predicted = (1 + chi_square(mdp_T, pi_T, mu_T)) * float(tilted_second)
+    return seq_T.total_variance + float(seq_T.mean @ seq_T.mean), predicted
+
+
+# %%
+by_length, identities = [], []
+for T in LENGTHS:
+    mdp_T, pi_T, mu_T = t03.fixed_length_pair(T, delta=DELTA, no_eos=NO_EOS)
+    row = {name: moments(mdp_T, pi_T, one_sample(part), group_size=1, method=METHOD,
+                         behavior=None if name == "on" else mu_T)
+           for name, part in [("seq", SequenceRatio()), ("tok", TokenRatio()), ("on", Reinforce())]}
+    by_length.append(dict(T=T, **row))
+    identities.append((T, 1 + chi_square(mdp_T, pi_T, mu_T), (1 + chi2_tok) ** T,
+                       *second_moment(mdp_T, pi_T, mu_T, row["seq"])))
+print(t03.length_identity_table(identities))
+assert all(abs(seq_side - power) < EXACT_TOL for _, seq_side, power, _, _ in identities)
+assert all(abs(second - pred) < EXACT_TOL * max(1.0, pred) for *_, second, pred in identities)
 
 # %% [markdown]
 # Both identities hold to rounding error. Now the variances themselves against $T$, on a log scale.
@@ -416,33 +329,9 @@ for T in LENGTHS:
 # the ratio is not yet in its regime); the successive ratios approach $1 + \chi^2_{\text{tok}}$.
 
 # %%
-Ts = [row["T"] for row in by_length]
-excess = [row["seq"] / row["on"] for row in by_length]
-fig, (ax_l, ax_r) = plt.subplots(1, 2, figsize=(12, 4.2))
-ax_l.semilogy(Ts, [row["seq"] for row in by_length], "o-", label="sequence IS")
-ax_l.semilogy(Ts, [row["tok"] for row in by_length], "s-", label="token IS")
-ax_l.semilogy(Ts, [row["on"] for row in by_length], "^-", color="0.4",
-              label="on-policy REINFORCE")
-ax_l.set_xlabel("response length T")
-ax_l.set_ylabel("total variance")
-ax_l.set_title("exact variance against the response length")
-ax_l.legend()
-ax_r.semilogy(Ts[1:], excess[1:], "o-", label="sequence-IS variance / on-policy variance")
-ax_r.semilogy(Ts[1:], [excess[-1] * (1 + chi2_tok) ** (T - Ts[-1]) for T in Ts[1:]], "k--",
-              label="∝ (1 + χ²_tok)^T")
-ax_r.set_xlabel("response length T")
-ax_r.set_ylabel("variance ratio")
-ax_r.set_title("the excess of sequence IS grows like (1 + χ²_tok)^T")
-ax_r.legend()
-fig.tight_layout()
+t03.plot_length_variance(by_length, chi2_tok)
 plt.show()
-
-print(f"{'T':>2} {'var(T)/var(T-1), sequence IS / on-policy':>42} {'1+χ²_tok':>9} "
-      f"{'difference':>11} | {'token IS rel. bias':>18} {'sequence IS rel. bias':>21}")
-for row, e_prev, e in zip(by_length[1:], excess, excess[1:]):
-    print(f"{row['T']:>2} {e / e_prev:>42.4f} {1 + chi2_tok:>9.4f} "
-          f"{e / e_prev - 1 - chi2_tok:>+11.4f} | {row['tok_bias']:>18.4f} "
-          f"{row['seq_bias']:>21.1e}")
+print(t03.length_ratio_table(by_length, chi2_tok))
 
 # %% [markdown]
 # A per-token $\chi^2$ of 0.4 is large; in a real model it is tiny per token, but responses have
@@ -544,27 +433,12 @@ assert abs(bias_norm - point.gradient_error) < EXACT_TOL
 STEPS = torch.logspace(-3, 1, 13, dtype=torch.float64).tolist()
 direction = gradient(mdp, pi)
 path = first_order_path(mdp, pi, direction, STEPS)
-
 # KL(π_θ(s) ‖ π_old) along the same path: the sequence KL and the largest per-state KL
-theta_old = parameters_to_vector(pi.parameters()).detach()
-probe = copy.deepcopy(pi)
-path_kl, path_max_state_kl = [], []
-for s in STEPS:
-    vector_to_parameters(theta_old + s * direction / direction.norm(), probe.parameters())
-    with torch.no_grad():
-        path_kl.append(float(sequence_kl(mdp, probe, pi)))
-        path_max_state_kl.append(max(float((lp_old.exp() * (lp_old - lp_new)).sum(-1).max())
-                                     for lp_old, lp_new in zip(state_logprobs(mdp, pi),
-                                                               state_logprobs(mdp, probe))))
+path_kl, path_max_state_kl = t03.path_kls(mdp, pi, direction, STEPS)
 
-print(f"{'s':>7} {'J - J_old':>10} {'L - J_old':>10} {'seqIS - J_old':>13} {'gap J-L':>10} "
-      f"{'bound':>9} {'||∇L-∇J||':>10} {'KL':>9} {'gap/KL':>7}")
-for p, kl in zip(path, path_kl):
-    print(f"{p.step:>7.3g} {p.true_improvement:>10.3e} {p.token_surrogate_improvement:>10.3e} "
-          f"{p.sequence_is_improvement:>13.3e} {p.gap:>10.2e} {p.bound:>9.2e} "
-          f"{p.gradient_error:>10.2e} {kl:>9.2e} {p.gap / kl:>7.4f}")
-    assert abs(p.sequence_is_improvement - p.true_improvement) < EXACT_TOL
-    assert abs(p.gap) <= p.bound
+print(t03.path_table(path, path_kl))
+assert all(abs(p.sequence_is_improvement - p.true_improvement) < EXACT_TOL for p in path)
+assert all(abs(p.gap) <= p.bound for p in path)
 
 
 # %% [markdown]
@@ -607,29 +481,7 @@ with torch.no_grad():
     eps_A = float(values(mdp, pi).A.abs().max())        # ε = max |A^{π_old}(s, a)|
 kl_bound = [eps_A * L * (L - 1) * k for k in path_max_state_kl]
 
-fig, (ax_s, ax_k) = plt.subplots(1, 2, figsize=(12, 4.4))
-s_arr = [p.step for p in path]
-ax_s.loglog(s_arr, [abs(p.gap) for p in path], "o-", color="C3", label="|J − L| (gap)")
-ax_s.loglog(s_arr, [p.bound for p in path], ":", color="C3", label="trust-region bound 2εα²L(L−1)")
-ax_s.loglog(s_arr, [p.gradient_error for p in path], "s-", color="C0", label="||∇L − ∇J||")
-anchor = small[0]
-ax_s.loglog(s_arr, [abs(anchor.gap) * (s / anchor.step) ** 2 for s in s_arr], "k--", lw=0.8,
-            label="slope 2")
-ax_s.loglog(s_arr, [anchor.gradient_error * (s / anchor.step) for s in s_arr], "k-.", lw=0.8,
-            label="slope 1")
-ax_s.set_xlabel("step s along ∇J(θ_old)")
-ax_s.set_ylabel("size")
-ax_s.legend(fontsize=8)
-ax_s.set_title("second-order gap, first-order gradient error")
-
-ax_k.loglog(path_kl, [abs(p.gap) for p in path], "o-", color="C3", label="|J − L|")
-ax_k.loglog(path_kl, [p.bound for p in path], ":", color="C3", label="2εα²L(L−1)")
-ax_k.loglog(path_kl, kl_bound, "--", color="C1", label="ε L(L−1) max_s KL_s  (Pinsker)")
-ax_k.set_xlabel("KL(π_θ ‖ π_old) of whole responses")
-ax_k.set_ylabel("|J − L| and its bounds")
-ax_k.legend(fontsize=8)
-ax_k.set_title("the gap is first order in the KL")
-fig.tight_layout()
+t03.plot_gap_orders(path, path_kl, kl_bound, anchor=small[0])
 plt.show()
 
 assert all(p.bound <= b * (1 + EXACT_TOL) for p, b in zip(path, kl_bound))
@@ -663,26 +515,10 @@ print(f"gap / KL at the three smallest steps: "
 
 # %%
 def exact_clip_fraction(mdp, pi, pi_old, eps):
-    # E[#clipped tokens] / E[#tokens] for G = 2, Â_1 = R_1 - R_2, both responses drawn from π_old
-    enum = mdp.enumerate()
-    with torch.no_grad():
-        log_r = torch.where(enum.loss_mask,
-                            pi.token_logprobs(enum) - pi_old.token_logprobs(enum), 0.0)
-        ratio_NC = log_r.exp()
-        mu_N = sequence_probs(mdp, pi_old)
-    n = mdp.responses_per_prompt
-    clipped = tokens = 0.0
-    for x in range(mdp.num_prompts):
-        rows = slice(x * n, (x + 1) * n)
-        reward = mdp.rewards[rows]
-        advantage_NN = reward[:, None] - reward[None, :]      # Â of response i when paired with j
-        keep = ppo_keep_mask(ratio_NC[rows][:, None, :], advantage_NN[:, :, None],
-                             eps_low=eps, eps_high=eps)
-        clipped_NN = (~keep & enum.loss_mask[rows][:, None, :]).sum(-1).to(torch.float64)
-        mu = mu_N[rows]
-        clipped += float(mdp.prompt_probs[x] * (mu[:, None] * mu[None, :] * clipped_NN).sum())
-        tokens += float(mdp.prompt_probs[x] * (mu * enum.length[rows]).sum())
-    return clipped / tokens
+    # E[#clipped tokens] / E[#tokens] for G = 2, Â_1 = R_1 - R_2, both responses drawn from π_old:
+    # every response with every partner, probability D(x) π_old(y_1|x) π_old(y_2|x), a token
+    # clipped where ppo_keep_mask is False (tokenmdp.notebook.ppo_clip_fraction)
+    return ppo_clip_fraction(mdp, pi, pi_old, eps_low=eps, eps_high=eps)
 
 
 # %% [markdown]
@@ -695,15 +531,9 @@ def exact_clip_fraction(mdp, pi, pi_old, eps):
 EPS_CHECK, d_check = 0.1, 0.5
 stale = sweep[DISTANCES.index(d_check)]["old"]
 ppo_check = rloo(PPOClip(eps_low=EPS_CHECK, eps_high=EPS_CHECK))
-generator = torch.Generator().manual_seed(3)
-fractions = []
-for _ in range(8):
-    batch = sample(mdp, stale, 2000, generator=generator, group_size=G)
-    batch = prepare(batch.replace(old_logprob=batch.behavior_logprob), ppo_check)  # μ = π_old
-    with torch.no_grad():
-        _, metrics = loss(pi.token_logprobs(batch), batch, ppo_check)
-    fractions.append(float(metrics["clip_fraction"]))
-fractions = torch.tensor(fractions, dtype=torch.float64)
+# sample 2000 responses from π_old = μ, prepare, loss, read metrics["clip_fraction"]; 8 times
+fractions = t03.monte_carlo_clip_fraction(mdp, pi, stale, ppo_check, batches=8, size=2000,
+                                          group_size=G, generator=torch.Generator().manual_seed(3))
 estimate, se = float(fractions.mean()), float(fractions.std() / len(fractions) ** 0.5)
 exact = exact_clip_fraction(mdp, pi, stale, EPS_CHECK)
 print(f"ε = {EPS_CHECK}, d = {d_check}: clip fraction Monte Carlo = {estimate:.5f} ± {se:.5f}   "
@@ -720,42 +550,20 @@ assert abs(estimate - exact) < Z_TOL * se
 EPSILONS = [0.05, 0.1, 0.2]
 PPO_DISTANCES = [0.1, 0.25, 0.5, 1.0]
 ppo = {}
-print(f"{'d':>5} {'ε':>5} {'clip frac':>9} {'cos(E ĝ, ∇J)':>13} {'||E ĝ - ∇L||/||∇J||':>20} "
-      f"{'||E ĝ||/||∇J||':>15} {'variance':>9}")
 for d in PPO_DISTANCES:
     row = sweep[DISTANCES.index(d)]
-    for eps in EPSILONS + [math.inf]:
-        if eps == math.inf:
-            m, fraction = row["tok"], 0.0
-        else:
-            m = moments(mdp, pi, rloo(PPOClip(eps_low=eps, eps_high=eps)), group_size=G,
-                        behavior=row["old"], method=METHOD)
-            fraction = exact_clip_fraction(mdp, pi, row["old"], eps)
-        to_L = float((m.mean - row["grad_L"]).norm() / grad_J.norm())
-        ppo[d, eps] = dict(m=m, clip=fraction)
-        print(f"{d:>5.2f} {eps:>5} {fraction:>9.4f} {m.cosine:>13.4f} {to_L:>20.2e} "
-              f"{float(m.mean.norm() / grad_J.norm()):>15.4f} {m.total_variance:>9.4f}")
-        if fraction == 0.0:
-            assert to_L < EXACT_TOL          # nothing clipped: PPO is token IS, mean ∇L exactly
+    for eps in EPSILONS:
+        m = moments(mdp, pi, rloo(PPOClip(eps_low=eps, eps_high=eps)), group_size=G,
+                    behavior=row["old"], method=METHOD)
+        ppo[d, eps] = dict(m=m, clip=exact_clip_fraction(mdp, pi, row["old"], eps))
+    ppo[d, math.inf] = dict(m=row["tok"], clip=0.0)                  # ε = ∞: token IS
+ppo_rows = t03.ppo_table(ppo, {row["distance"]: row["grad_L"] for row in sweep}, grad_J)
+print(ppo_rows)
+# nothing clipped: PPO is token IS, mean ∇L exactly
+assert all(to_L < EXACT_TOL for _, _, clip, _, to_L, *_ in ppo_rows.rows if clip == 0.0)
 
 # %%
-fig, (ax_c, ax_f) = plt.subplots(1, 2, figsize=(12, 4.2))
-for eps in EPSILONS + [math.inf]:
-    label = "token IS (ε = ∞)" if eps == math.inf else f"PPO ε = {eps}"
-    style = "k--" if eps == math.inf else "o-"
-    ax_c.plot(PPO_DISTANCES, [ppo[d, eps]["m"].cosine for d in PPO_DISTANCES], style, label=label)
-    if eps != math.inf:
-        ax_f.plot(PPO_DISTANCES, [ppo[d, eps]["clip"] for d in PPO_DISTANCES], "o-", label=label)
-ax_c.axhline(0, color="0.8", lw=0.8)
-ax_c.set_xlabel("stale distance d")
-ax_c.set_title("PPO's expected gradient against ∇J")
-ax_c.set_ylabel("cos(E[ĝ], ∇J)")
-ax_c.legend(fontsize=8)
-ax_f.set_xlabel("stale distance d")
-ax_f.set_ylabel("exact clip fraction")
-ax_f.set_title("share of tokens PPO clips")
-ax_f.legend(fontsize=8)
-fig.tight_layout()
+t03.plot_ppo(ppo, PPO_DISTANCES, EPSILONS + [math.inf])
 plt.show()
 
 # %% [markdown]
@@ -805,6 +613,7 @@ print(f"KL(μ ‖ π_old) = {kl_train_inference:.4f} per response;  token ratio 
       f"[{float(w_seq.min()):.3f}, {float(w_seq.max()):.3f}]")
 
 
+# %%
 def with_correction(correction):
     return moments(mdp, pi, rloo(TokenRatio(), correction), group_size=G, behavior=mu, old=pi,
                    method=METHOD)
@@ -827,23 +636,19 @@ assert is_seq.bias.norm() < EXACT_TOL and (is_tok.mean - grad_L_mu).norm() < EXA
 
 # %%
 above_tok, above_seq = 1.01 * float(w_tok.max()), 1.01 * float(w_seq.max())
-same = {
-    f"TIS token C={above_tok:.2f}": (with_correction(TruncatedIS(cap=above_tok)), is_tok),
-    f"MIS token C={above_tok:.2f}": (with_correction(MaskedIS(high=above_tok,
-                                                              masked_in_normalizer=True)), is_tok),
-    f"TIS seq.  C={above_seq:.2f}": (with_correction(TruncatedIS(cap=above_seq,
-                                                                 level=Level.SEQUENCE)), is_seq),
-    f"MIS seq.  C={above_seq:.2f}": (with_correction(MaskedIS(high=above_seq,
-                                                              masked_in_normalizer=True,
-                                                              level=Level.SEQUENCE)), is_seq),
+SEQ = Level.SEQUENCE
+caps_above = {
+    f"TIS token C={above_tok:.2f}": (TruncatedIS(cap=above_tok), is_tok),
+    f"MIS token C={above_tok:.2f}": (MaskedIS(high=above_tok, masked_in_normalizer=True), is_tok),
+    f"TIS seq.  C={above_seq:.2f}": (TruncatedIS(cap=above_seq, level=SEQ), is_seq),
+    f"MIS seq.  C={above_seq:.2f}": (MaskedIS(high=above_seq, masked_in_normalizer=True,
+                                              level=SEQ), is_seq),
 }
-print(f"{'correction':>22} {'rel. bias':>10} {'IS rel. bias':>13} {'max |Δ E ĝ|':>12} "
-      f"{'variance':>9} {'IS variance':>12}")
-for name, (m, reference) in same.items():
-    diff = float((m.mean - reference.mean).abs().max())
-    print(f"{name:>22} {m.relative_bias:>10.5f} {reference.relative_bias:>13.5f} {diff:>12.1e} "
-          f"{m.total_variance:>9.5f} {reference.total_variance:>12.5f}")
-    assert diff < EXACT_TOL and abs(m.total_variance - reference.total_variance) < EXACT_TOL
+same = {name: (with_correction(c), reference) for name, (c, reference) in caps_above.items()}
+print(t03.cap_table(same))
+assert all((m.mean - reference.mean).abs().max() < EXACT_TOL
+           and abs(m.total_variance - reference.total_variance) < EXACT_TOL
+           for m, reference in same.values())
 
 # %% [markdown]
 # ### The bias–variance trade-off of the cap
@@ -869,50 +674,19 @@ families = {
     "MIS sequence": lambda c: MaskedIS(high=c, masked_in_normalizer=True, level=Level.SEQUENCE),
 }
 curves = {name: [with_correction(make(c)) for c in CAPS] for name, make in families.items()}
+icepop = with_correction(MaskedIS(low=0.5, high=5.0, masked_in_normalizer=True))
 references = {"no correction": none, "IS token": is_tok, "IS sequence": is_seq,
-              "IcePop (token, [0.5, 5])": with_correction(MaskedIS(low=0.5, high=5.0,
-                                                                   masked_in_normalizer=True))}
-icepop = references["IcePop (token, [0.5, 5])"]
+              "IcePop (token, [0.5, 5])": icepop}
 assert float(w_tok.min()) >= 0.5 and float(w_tok.max()) <= 5.0       # IcePop's band masks nothing
 assert (icepop.mean - is_tok.mean).abs().max() < EXACT_TOL
-
-
-def mse_of(m, groups):
-    return float(m.bias @ m.bias) + m.total_variance / groups
-
-
-print(f"{'estimator':>14} {'C':>5} {'||bias||²':>10} {'variance':>9} {'MSE_1':>8} "
-      f"{f'MSE_{B}':>9}")
-for name, m in references.items():
-    print(f"{name:>14} {'-':>5} {float(m.bias @ m.bias):>10.2e} {m.total_variance:>9.4f} "
-          f"{mse_of(m, 1):>8.4f} {mse_of(m, B):>9.5f}")
-for name, ms in curves.items():
-    for c, m in zip(CAPS, ms):
-        print(f"{name:>14} {c:>5} {float(m.bias @ m.bias):>10.2e} {m.total_variance:>9.4f} "
-              f"{mse_of(m, 1):>8.4f} {mse_of(m, B):>9.5f}")
+# t03.mse(m, B) = ||E ĝ - ∇J||² + tr Cov[ĝ] / B
+print(t03.mse_table(references, curves, CAPS, B))
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-panels = [("||E ĝ − ∇J||²  (IS sequence: 0)", lambda m: float(m.bias @ m.bias)),
-          ("total variance", lambda m: m.total_variance),
-          (f"MSE of a step of B = {B} groups", lambda m: mse_of(m, B))]
-for ax, (title, f) in zip(axes, panels):
-    for name, ms in curves.items():
-        ax.semilogy(CAPS, [f(m) for m in ms], "o-", label=name)
-    for (name, m), color in zip(references.items(), ["0.3", "C0", "C1", "C4"]):
-        if f(m) > EXACT_TOL:                # an unbiased estimator has no line on a log scale
-            ax.axhline(f(m), ls=":", color=color, label=name)
-    ax.set_xlabel("cap C")
-    ax.set_title(title)
-    ax.invert_xaxis()                       # from IS (large C) on the left to hard caps
-for ax, label in zip(axes, ["squared bias", "tr Cov[ĝ]", f"MSE_{B}"]):
-    ax.set_ylabel(label)
-axes[0].legend(fontsize=8)
-axes[2].legend(fontsize=8)
-fig.tight_layout()
+t03.plot_cap_tradeoff(curves, references, CAPS, B, tol=EXACT_TOL)
 plt.show()
 
-best = {name: CAPS[min(range(len(CAPS)), key=lambda i: mse_of(ms[i], B))]
+best = {name: CAPS[min(range(len(CAPS)), key=lambda i: t03.mse(ms[i], B))]
         for name, ms in curves.items()}
 print(f"cap with the lowest MSE_{B}: {best}")
 
