@@ -55,6 +55,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import tokenmdp
+from tokenmdp.course import t02
 from tokenmdp.estimators import (
     Advantage,
     GroupMean,
@@ -101,7 +102,6 @@ print("tokenmdp", tokenmdp.__version__, "| torch", torch.__version__)
 
 # %%
 V, L = 3, 2
-EOS = V - 1
 
 
 def contains_prompt_token(prompt, response):
@@ -112,23 +112,13 @@ mdp = TokenMDP(V, L, contains_prompt_token, prompts=[(0,), (1,)], prompt_probs=[
 policy = TabularPolicy(mdp, generator=torch.Generator().manual_seed(33), init_std=1.5)
 
 N, P = mdp.num_sequences, mdp.num_prompts
-with torch.no_grad():
-    probs_N = sequence_probs(mdp, policy)              # π(y|x) of every response
+probs_N = sequence_probs(mdp, policy).detach()         # π(y|x) of every response
 prompt_N = mdp.terminal_prompt_index                   # which prompt each response answers
-R_N = mdp.rewards
-D_P = mdp.prompt_probs
+R_N, D_P = mdp.rewards, mdp.prompt_probs
 w_N = D_P[prompt_N] * probs_N                          # P(x, y) = D(x) π(y|x)
 J_P = torch.zeros(P, dtype=torch.float64).index_add(0, prompt_N, probs_N * R_N)  # J_x = V(x)
 J = float(D_P @ J_P)
-
-print(f"{'prompt':>6} {'response':>9} {'π(y|x)':>8} {'R':>3}")
-for (x, y), q, r in zip(mdp.responses(), probs_N.tolist(), R_N.tolist(), strict=True):
-    shown = " ".join("EOS" if t == EOS else str(t) for t in y)
-    print(f"{str(x):>6} {shown:>9} {q:>8.4f} {r:>3.0f}")
-for x in range(P):
-    print(f"prompt {mdp.prompts[x]}: D(x) = {float(D_P[x]):.1f}, success probability "
-          f"p_x = J_x = {float(J_P[x]):.4f}")
-print(f"J = {J:.6f}")
+show(t02.response_table(mdp, probs_N, J_P, J))
 
 # %% [markdown]
 # Every estimator in this notebook is a function of the **score** of each response,
@@ -158,14 +148,11 @@ prompt_of_state = torch.cat([mdp.level_prefixes(k)[0] for k in range(L)])
 prompt_of_param = prompt_of_state.repeat_interleave(V)
 
 mean_score_P = torch.zeros_like(g_P).index_add(0, prompt_N, probs_N[:, None] * score_N)
-print(f"max |Σ_y π(y|x) σ(y)|            = {float(mean_score_P.abs().max()):.1e}")
 grad_from_scores = w_N @ (R_N[:, None] * score_N)
-print(f"max |Σ D π R σ − ∇J (autograd)|  = {float((grad_from_scores - true_grad).abs().max()):.1e}")
-print(f"max |Σ_x D(x) g_x − ∇J|          = {float((D_P @ g_P - true_grad).abs().max()):.1e}")
-for x in range(P):
-    outside = g_P[x][prompt_of_param != x]
-    print(f"g_x of prompt {mdp.prompts[x]}: norm {float(g_P[x].norm()):.4f}, "
-          f"largest entry outside its block {float(outside.abs().max()):.1e}")
+show(t02.score_report({"Σ_y π(y|x) σ(y)": mean_score_P,
+                       "Σ D π R σ − ∇J (autograd)": grad_from_scores - true_grad,
+                       "Σ_x D(x) g_x − ∇J": D_P @ g_P - true_grad},
+                      g_P, prompt_of_param, mdp.prompts))
 assert float(mean_score_P.abs().max()) < EXACT_TOL
 assert torch.allclose(grad_from_scores, true_grad, rtol=0, atol=EXACT_TOL)
 
@@ -205,14 +192,7 @@ ESTIMATORS = {
     "GRPO, population std": reinforce.replace(advantage=GroupNormalized(ddof=0, eps=0.0),
                                               name="GRPO, population std"),
 }
-_cache = {}
-
-
-def exact(name, G):
-    # exact moments of ESTIMATORS[name] on (mdp, policy) with groups of G, computed once
-    if (name, G) not in _cache:
-        _cache[name, G] = moments(mdp, policy, ESTIMATORS[name], group_size=G, method="exact")
-    return _cache[name, G]
+exact = t02.ExactCache(mdp, policy, ESTIMATORS)   # exact(name, G): moments, computed once
 
 
 # %% [markdown]
@@ -247,15 +227,14 @@ def reinforce_variance(baseline_N, G):
 
 
 zero_N = torch.zeros(N, dtype=torch.float64)
-print(f"{'G':>2} {'‖E ĝ − ∇J‖':>11} {'tr Cov (exact moments)':>23} {'closed form':>12} "
-      f"{'difference':>11}")
+rows = []
 for G in range(1, 5):
     m = exact("REINFORCE", G)
     closed = reinforce_variance(zero_N, G)
-    print(f"{G:>2} {float(m.bias.norm()):>11.1e} {m.total_variance:>23.8f} {closed:>12.8f} "
-          f"{m.total_variance - closed:>+11.1e}")
+    rows.append((G, float(m.bias.norm()), m.total_variance, closed))
     assert float(m.bias.norm()) < EXACT_TOL
     assert abs(m.total_variance - closed) <= VAR_RTOL * closed
+show(t02.variance_table(rows, label="G", label_width=2))
 
 # %% [markdown]
 # **Where is zero?** The rewards $R$ and $R + c$ define the same learning problem: $J$ moves by $c$,
@@ -286,18 +265,18 @@ def shifted_mdp(baseline_of_prompt):
 
 baselines = {"b = -1": [-1.0] * P, "b = 0": [0.0] * P, "b = J": [J] * P,
              "b = V(x)": J_P.tolist()}
-baseline_variance = {}
-print(f"{'baseline':>9} {'‖E ĝ − ∇J‖':>11} {'tr Cov (exact moments)':>23} {'closed form':>12} "
-      f"{'difference':>11}")
+
+# %%
+baseline_variance, rows = {}, []
 for label, b in baselines.items():
     m = moments(shifted_mdp(b), policy, reinforce, group_size=G_BASELINE, method="exact")
     closed = reinforce_variance(torch.tensor(b, dtype=torch.float64)[prompt_N], G_BASELINE)
     baseline_variance[label] = m.total_variance
-    print(f"{label:>9} {float((m.mean - true_grad).norm()):>11.1e} {m.total_variance:>23.8f} "
-          f"{closed:>12.8f} {m.total_variance - closed:>+11.1e}")
+    rows.append((label, float((m.mean - true_grad).norm()), m.total_variance, closed))
     assert torch.allclose(m.true_gradient, true_grad, rtol=0, atol=EXACT_TOL)  # same ∇J
     assert float((m.mean - true_grad).norm()) < EXACT_TOL                         # unbiased
     assert abs(m.total_variance - closed) <= VAR_RTOL * closed
+show(t02.variance_table(rows, label="baseline", label_width=9))
 
 # %% [markdown]
 # All four are unbiased to rounding error, and their variances differ. As a function of a constant
@@ -308,19 +287,10 @@ for label, b in baselines.items():
 b_grid = torch.linspace(-2.0, 2.5, 91, dtype=torch.float64)
 curve = [reinforce_variance(torch.full((N,), float(b), dtype=torch.float64), G_BASELINE)
          for b in b_grid]
-fig, ax = plt.subplots(figsize=(7.5, 4))
-ax.plot(b_grid.numpy(), curve, color="#4c72b0", label="constant b, closed form")
-for label, xb in [("b = -1", -1.0), ("b = 0", 0.0), ("b = J", J)]:
-    ax.plot(xb, baseline_variance[label], "o", color="#4c72b0", mec="k")
-    ax.annotate(label, (xb, baseline_variance[label]), textcoords="offset points",
-                xytext=(6, 6), fontsize=9)
-ax.axhline(baseline_variance["b = V(x)"], color="#55a868", ls="--",
-           label="b = V(x), per prompt (exact moments)")
-ax.set_xlabel("baseline b  (equivalently: every reward shifted by −b)")
-ax.set_ylabel(f"tr Cov ĝ,  G = {G_BASELINE}")
-ax.set_title("REINFORCE: unbiased for every b, variance quadratic in b")
-ax.legend()
-fig.tight_layout()
+points = {label: (b, baseline_variance[label]) for label, b in
+          [("b = -1", -1.0), ("b = 0", 0.0), ("b = J", J)]}
+t02.baseline_parabola_figure(b_grid.tolist(), curve, points, baseline_variance["b = V(x)"],
+                             G_BASELINE)
 plt.show()
 
 
@@ -371,21 +341,16 @@ def effective_reward(advantage, G, mdp=mdp, probs_N=probs_N):
         mine = torch.arange(x * n, (x + 1) * n)
         others = torch.tensor(list(itertools.product(mine.tolist(), repeat=G - 1)),
                               dtype=torch.long).view(-1, G - 1)              # [M, G-1]
-        p_others = probs_N[others].prod(1)                                   # [M]
         M = others.shape[0]
         groups = torch.cat([mine.repeat_interleave(M)[:, None], others.repeat(n, 1)], dim=1)
         reward_S = mdp.rewards[groups].reshape(-1)                           # [n*M*G]
         group_S = torch.arange(n * M).repeat_interleave(G)
         A_first = advantage(reward_S, group_S).view(n, M, G)[:, :, 0]        # [n, M]
-        h[mine] = A_first @ p_others
+        h[mine] = A_first @ probs_N[others].prod(1)                          # p of the others
     return h
 
 
-def predicted_mean(h_N):
-    # E[ĝ] = Σ D(x) π(y|x) h(y) σ(y)
-    return w_N @ (h_N[:, None] * score_N)
-
-
+# %%
 G = 3
 h_rloo = effective_reward(ESTIMATORS["RLOO"].advantage, G)
 print(f"RLOO, G = {G}: max |h(y) − (R(y) − V(x))| = "
@@ -459,14 +424,12 @@ def sequence_advantages(prepared):
 prepared_gm = prepare(batch, ESTIMATORS["group mean"])
 prepared_loo = prepare(batch, ESTIMATORS["RLOO"])
 a_gm, a_loo = sequence_advantages(prepared_gm), sequence_advantages(prepared_loo)
-print(f"{'group':>5} {'R':>4} {'A group mean':>13} {'A leave-one-out':>16} {'(G-1)/G · A_loo':>16} "
-      f"{'difference':>11}")
-for s in range(batch.num_sequences):
-    scaled = (G - 1) / G * float(a_loo[s])
-    print(f"{int(batch.group[s]):>5} {float(batch.reward[s]):>4.0f} {float(a_gm[s]):>13.6f} "
-          f"{float(a_loo[s]):>16.6f} {scaled:>16.6f} {float(a_gm[s]) - scaled:>+11.1e}")
+show(t02.advantage_table(batch, {"A group mean": a_gm, "A leave-one-out": a_loo},
+                         scaled="A leave-one-out", scale=(G - 1) / G, header="(G-1)/G · A_loo",
+                         compare="A group mean"))
 assert torch.allclose(a_gm, (G - 1) / G * a_loo, rtol=0, atol=EXACT_TOL)
 
+# %%
 g_gm = -flat_grad(loss(policy.token_logprobs(prepared_gm), prepared_gm,
                        ESTIMATORS["group mean"])[0], policy)
 g_loo = -flat_grad(loss(policy.token_logprobs(prepared_loo), prepared_loo,
@@ -566,22 +529,18 @@ G = 2
 batch2 = sample(mdp, policy, 6 * G, generator=torch.Generator().manual_seed(3), group_size=G)
 adv = {name: sequence_advantages(prepare(batch2, ESTIMATORS[name]))
        for name in ("RLOO", "GRPO, population std", "GRPO, sample std")}
-print(f"{'group':>5} {'R':>3} {'RLOO':>7} {'GRPO pop.':>10} {'GRPO sample':>12} "
-      f"{'sample·√2':>10}")
-for s in range(batch2.num_sequences):
-    print(f"{int(batch2.group[s]):>5} {float(batch2.reward[s]):>3.0f} {float(adv['RLOO'][s]):>7.3f} "
-          f"{float(adv['GRPO, population std'][s]):>10.3f} {float(adv['GRPO, sample std'][s]):>12.6f}"
-          f" {float(adv['GRPO, sample std'][s]) * math.sqrt(2):>10.6f}")
+show(t02.advantage_table(batch2, {"RLOO": adv["RLOO"], "GRPO pop.": adv["GRPO, population std"],
+                                  "GRPO sample": adv["GRPO, sample std"]},
+                         scaled="GRPO sample", scale=math.sqrt(2), header="sample·√2",
+                         fmt=[".3f", ".3f", ".6f"]))
 assert torch.allclose(adv["GRPO, population std"], adv["RLOO"], rtol=0, atol=EXACT_TOL)
 assert torch.allclose(adv["GRPO, sample std"] * math.sqrt(2), adv["RLOO"], rtol=0, atol=EXACT_TOL)
 
-print(f"\n{'estimator (G = 2)':>22} {'max|E ĝ − c ∇J|':>16} {'c':>8} {'tr Cov':>10}")
-for name, c in [("RLOO", 1.0), ("GRPO, population std", 1.0),
-                ("GRPO, sample std", 1 / math.sqrt(2))]:
-    m = exact(name, 2)
-    print(f"{name:>22} {float((m.mean - c * true_grad).abs().max()):>16.1e} {c:>8.6f} "
-          f"{m.total_variance:>10.6f}")
-    assert torch.allclose(m.mean, c * true_grad, rtol=0, atol=EXACT_TOL)
+predicted = [("RLOO", 1.0), ("GRPO, population std", 1.0), ("GRPO, sample std", 1 / math.sqrt(2))]
+for name, c in predicted:
+    assert torch.allclose(exact(name, 2).mean, c * true_grad, rtol=0, atol=EXACT_TOL)
+show(t02.scaled_mean_table([(name, c, exact(name, 2)) for name, c in predicted], true_grad,
+                           title="estimator (G = 2)"))
 
 
 # %% [markdown]
@@ -630,30 +589,29 @@ def grpo_binary_scale(p, G, ddof):
     return h(1) - h(0)
 
 
+# %%
 def per_prompt_scale(mean):
     # <E ĝ, ∇J> / ‖∇J‖² on each prompt's block of coordinates
     return [float(mean[prompt_of_param == x] @ true_grad[prompt_of_param == x]
                   / true_grad[prompt_of_param == x].pow(2).sum()) for x in range(P)]
 
 
+# %%
 G_LARGE = 16
-print(f"{'estimator':>20} {'G':>3} {'prompt':>6} {'p_x':>6} {'c (exact moments)':>18} "
-      f"{'c (closed form)':>16} {'difference':>11} {'cosine':>9} {'angle':>6}")
+rows = []
 for name, ddof in [("GRPO, sample std", 1), ("GRPO, population std", 0)]:
     for G in GS + ([G_LARGE] if ddof == 1 else []):
         m = exact(name, G)
         for x, c_moments in enumerate(per_prompt_scale(m.mean)):
             c_closed = grpo_binary_scale(float(J_P[x]), G, ddof)
-            angle = math.degrees(math.acos(min(1.0, m.cosine)))
-            cosine = f"{m.cosine:>9.6f} {angle:>5.2f}°" if x == 0 else ""
-            print(f"{name:>20} {G:>3} {str(mdp.prompts[x]):>6} {float(J_P[x]):>6.3f} "
-                  f"{c_moments:>18.12f} {c_closed:>16.12f} {c_moments - c_closed:>+11.1e} {cosine}")
+            rows.append((name, G, str(mdp.prompts[x]), float(J_P[x]), c_moments, c_closed,
+                         m.cosine if x == 0 else None))
             assert abs(c_moments - c_closed) < EXACT_TOL
-            # and the whole block is c · ∇J there, not only its projection
-            block = prompt_of_param == x
+            block = prompt_of_param == x   # the whole block is c · ∇J, not only its projection
             assert torch.allclose(m.mean[block], c_closed * true_grad[block], rtol=0, atol=EXACT_TOL)
         if G in (2, 3) and ddof == 1:
             assert m.cosine > 1 - EXACT_TOL
+show(t02.grpo_scale_table(rows))
 
 # %% [markdown]
 # The closed form matches the exact moments on every prompt. The cosines tell the consequence: at
@@ -670,25 +628,11 @@ for name, ddof in [("GRPO, sample std", 1), ("GRPO, population std", 0)]:
 
 # %%
 p_grid = torch.linspace(0.01, 0.99, 197, dtype=torch.float64).tolist()
-fig, ax = plt.subplots(figsize=(8, 4.5))
-for G, color in zip([2, 3, 4, 8, 16, 64], plt.get_cmap("viridis")(torch.linspace(0, 0.9, 6))):
-    ax.plot(p_grid, [grpo_binary_scale(p, G, 1) for p in p_grid], color=color, label=f"G = {G}")
-ax.plot(p_grid, [1 / math.sqrt(p * (1 - p)) for p in p_grid], "k--", lw=1,
-        label="1/√(p(1−p)): 1/std, the G → ∞ limit")
-ax.axhline(1.0, color="0.5", lw=1, ls=":", label="RLOO (c = 1 for every prompt)")
-for x in range(P):
-    ax.axvline(float(J_P[x]), color="#c44e52", lw=0.8)
-    ax.text(float(J_P[x]) + 0.01, 0.25, f"prompt {mdp.prompts[x]}", color="#c44e52", fontsize=8)
-    for G in (4, G_LARGE):
-        ax.plot(float(J_P[x]), per_prompt_scale(exact("GRPO, sample std", G).mean)[x], "o",
-                color="#c44e52", mec="k", ms=6)
-ax.set_ylim(0, 7)
-ax.set_xlabel("success probability p of the prompt")
-ax.set_ylabel("c(p): E[ĝ | x] = c(p) ∇J_x")
-ax.set_title("GRPO (sample std) with 0/1 rewards: the factor on each prompt's gradient\n"
-             "(red dots: exact moments at G = 4 and 16)")
-ax.legend(fontsize=8, ncol=2, loc="upper center")
-fig.tight_layout()
+curves = {G: [grpo_binary_scale(p, G, 1) for p in p_grid] for G in [2, 3, 4, 8, 16, 64]}
+dots = {f"prompt {mdp.prompts[x]}": (float(J_P[x]), {
+    G: per_prompt_scale(exact("GRPO, sample std", G).mean)[x] for G in (4, G_LARGE)})
+    for x in range(P)}
+t02.grpo_scale_figure(p_grid, curves, dots)
 plt.show()
 
 
@@ -720,21 +664,23 @@ grad_pc = gradient(mdp_pc, policy_pc)
 J_pc = float(probs_pc @ mdp_pc.rewards)
 print("rewards of the 7 responses:", mdp_pc.rewards.tolist(), f"  J = {J_pc:.4f}")
 
-print(f"\n{'estimator':>20} {'G':>2} {'max|E ĝ − Σ π h σ|':>19} {'cosine(E ĝ, ∇J)':>16}")
-cosines_pc = {}
+# %%
+cosines_pc, entries = {}, []
 for name, G in [("RLOO", 3), ("GRPO, sample std", 3), ("GRPO, population std", 2)]:
     est = ESTIMATORS[name]
     m = moments(mdp_pc, policy_pc, est, group_size=G, method="exact")
     h_pc = effective_reward(est.advantage, G, mdp=mdp_pc, probs_N=probs_pc)
     via_h = (probs_pc * h_pc) @ score_pc
     cosines_pc[name] = m.cosine
-    print(f"{name:>20} {G:>2} {float((m.mean - via_h).abs().max()):>19.1e} {m.cosine:>16.6f}")
+    entries.append((name, G, m, via_h))
     assert torch.allclose(m.mean, via_h, rtol=0, atol=EXACT_TOL)
     assert torch.allclose(m.true_gradient, grad_pc, rtol=0, atol=EXACT_TOL)
+show(t02.effective_reward_table(entries))
 assert abs(cosines_pc["RLOO"] - 1) < EXACT_TOL
 assert cosines_pc["GRPO, sample std"] < 1 - DIRECTION_GAP
 assert cosines_pc["GRPO, population std"] < 1 - DIRECTION_GAP
 
+# %%
 G = 3
 h_pc = effective_reward(ESTIMATORS["GRPO, sample std"].advantage, G, mdp=mdp_pc, probs_N=probs_pc)
 h_of = {r: float(h_pc[mdp_pc.rewards == r][0]) for r in sorted(set(mdp_pc.rewards.tolist()))}
@@ -796,6 +742,7 @@ class GroupMaxBaseline(Advantage):
         return "R - group max (peeks)"
 
 
+# %%
 @dataclasses.dataclass(frozen=True)
 class HalfOwnReward(Advantage):
     # A_i = R_i - R_i / 2: a "baseline" made of the sample's own reward
@@ -812,23 +759,22 @@ ESTIMATORS["group max (peeks)"] = reinforce.replace(advantage=GroupMaxBaseline()
 ESTIMATORS["R/2 (peeks)"] = reinforce.replace(advantage=HalfOwnReward(), name="R/2 (peeks)")
 
 
+# %%
 def max_baseline_mean(G):
     # closed form: E[ĝ] = Σ_x D(x) (1 - (1 - p_x)^(G-1)) g_x
     return sum(float(D_P[x]) * (1 - (1 - float(J_P[x])) ** (G - 1)) * g_P[x] for x in range(P))
 
 
-print(f"{'estimator':>18} {'G':>2} {'predicted bias':>22} {'max|bias − predicted|':>22} "
-      f"{'relative bias':>14} {'cosine':>9}")
+entries = []
 for G in GS:
     rows = [("group mean", -true_grad / G, "−∇J/G"),
             ("group max (peeks)", max_baseline_mean(G) - true_grad, "(1−(1−p)^(G−1))g − ∇J")]
     if G == 4:
         rows.append(("R/2 (peeks)", -true_grad / 2, "−∇J/2"))
     for name, predicted, label in rows:
-        m = exact(name, G)
-        print(f"{name:>18} {G:>2} {label:>22} {float((m.bias - predicted).abs().max()):>22.1e} "
-              f"{m.relative_bias:>14.6f} {m.cosine:>9.6f}")
-        assert torch.allclose(m.bias, predicted, rtol=0, atol=EXACT_TOL)
+        entries.append((name, G, label, exact(name, G), predicted))
+        assert torch.allclose(exact(name, G).bias, predicted, rtol=0, atol=EXACT_TOL)
+show(t02.peeking_bias_table(entries))
 
 # %% [markdown]
 # Each predicted bias matches the exact one to rounding error. The group mean and $R_i/2$ only
@@ -854,8 +800,6 @@ for G in GS:
 # %%
 NAMES = ["REINFORCE", "RLOO", "group mean", "GRPO, sample std", "GRPO, population std",
          "group max (peeks)"]
-COLORS = dict(zip(NAMES, ["#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd"],
-                  strict=True))
 
 
 def grpo_binary_bias(G, ddof):
@@ -873,46 +817,20 @@ predicted_bias = {
                           for G in GS],
 }
 
-fig, (ax_b, ax_v, ax_s) = plt.subplots(1, 3, figsize=(15, 4.6))
-print(f"{'estimator':>21} {'G':>2} {'rel. bias':>10} {'cosine':>9} {'tr Cov':>9} "
-      f"{'c*':>7} {'c*² tr Cov':>11}")
-for name in NAMES:
-    ms = [exact(name, G) for G in GS]
-    bias = [m.relative_bias for m in ms]
-    var = [m.total_variance for m in ms]
-    scaled = [m.scale ** 2 * m.total_variance for m in ms]
-    style = dict(color=COLORS[name], label=name, ls="--" if name == "REINFORCE" else "-")
-    ax_b.plot(GS, bias, "o", **style)
-    ax_v.plot(GS, var, "o", **style)
-    ax_s.plot(GS, scaled, "o", **style)
-    if name in predicted_bias:
-        ax_b.plot(GS, predicted_bias[name], "x", color="k", ms=9)
-        for got, want in zip(bias, predicted_bias[name], strict=True):
-            assert abs(got - want) < EXACT_TOL
-    for G, m, v in zip(GS, ms, scaled, strict=True):
-        print(f"{name:>21} {G:>2} {m.relative_bias:>10.6f} {m.cosine:>9.6f} "
-              f"{m.total_variance:>9.5f} {m.scale:>7.4f} {v:>11.5f}")
+# %%
+ms = {name: [exact(name, G) for G in GS] for name in NAMES}
+show(t02.group_size_table(ms, GS))
+for name, want in predicted_bias.items():
+    for got, G in zip(want, GS, strict=True):
+        assert abs(exact(name, G).relative_bias - got) < EXACT_TOL
 # rescaled, the group mean is RLOO exactly
 for G in GS:
     gm, loo = exact("group mean", G), exact("RLOO", G)
     assert abs(gm.scale ** 2 * gm.total_variance - loo.total_variance) <= VAR_RTOL * loo.total_variance
+
+# %%
 oracle = [reinforce_variance(vx_N, G) for G in GS]
-for ax in (ax_v, ax_s):
-    ax.plot(GS, oracle, "k:", lw=1.5, label="V(x) baseline (closed form)")
-    ax.set_yscale("log")
-ax_b.set_ylabel("relative bias ‖E ĝ − ∇J‖ / ‖∇J‖")
-ax_v.set_ylabel("tr Cov ĝ")
-ax_s.set_ylabel("c*² tr Cov ĝ")
-for ax in (ax_b, ax_v, ax_s):
-    ax.set_xlabel("group size G")
-    ax.set_xticks(GS)
-    ax.grid(alpha=0.3)
-ax_b.set_title("bias (x: closed form)")
-ax_v.set_title("variance")
-ax_s.set_title("variance after the best rescaling c*")
-handles, labels = ax_s.get_legend_handles_labels()
-fig.legend(handles, labels, loc="lower center", ncol=7, fontsize=8.5, frameon=False)
-fig.tight_layout(rect=(0, 0.07, 1, 1))
+t02.bias_variance_figure(ms, GS, predicted_bias, oracle)
 plt.show()
 
 
