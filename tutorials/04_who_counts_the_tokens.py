@@ -84,6 +84,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import tokenmdp
+from tokenmdp.course import t04
 from tokenmdp.estimators import (
     Aggregation,
     Estimator,
@@ -166,17 +167,8 @@ with torch.no_grad():
         if prefix and prefix[0] == WRONG:
             policy.table[s, EOS] -= 2.0                   # after a wrong answer: ramble
 
-FIRST_TOKEN = torch.tensor([y[0] for _, y in mdp.responses()])
+# %%
 LENGTH = mdp.terminal_lengths
-
-
-def length_given_answer(policy, answer):
-    # E[|y| | y_1 = answer]: how long responses that start with this answer are (differentiable)
-    probs = sequence_probs(mdp, policy)
-    mine = FIRST_TOKEN == answer
-    return (probs[mine] * LENGTH[mine]).sum() / probs[mine].sum()
-
-
 with torch.no_grad():
     J0, EY0 = float(objective(mdp, policy)), float(expected_length(mdp, policy))
     probs0 = sequence_probs(mdp, policy)
@@ -187,7 +179,7 @@ print(f"{mdp.num_states} states, {mdp.num_sequences} responses, "
 print(f"J = P(correct) = {J0:.4f}   E|y| = {EY0:.4f}   Cov(R, |y|) = {cov_RL:+.4f}")
 for name, answer in (("correct (y_1 = 0)", CORRECT), ("wrong   (y_1 = 1)", WRONG)):
     with torch.no_grad():
-        print(f"E[|y| | {name}] = {float(length_given_answer(policy, answer)):.4f}")
+        print(f"E[|y| | {name}] = {float(t04.conditional_length(mdp, policy, answer)):.4f}")
 
 # %% [markdown]
 # About one response in six is correct, and wrong answers are longer than right ones
@@ -209,26 +201,11 @@ drawn = sample(mdp, policy, 2 * G_DEMO, group_size=G_DEMO,
 reinforce_group_mean = Estimator(surrogate=Reinforce(), advantage=GroupMean(),
                                  aggregation=Aggregation.TOKEN_MEAN, name="reinforce-group-mean")
 demo = pack_first_fit_decreasing(prepare(drawn, reinforce_group_mean), capacity=8)
-print(demo)
+print(f"{demo}\n")
 
 MODES = list(Aggregation)
-SHORT = {Aggregation.TOKEN_MEAN: "tok-mean", Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: "seq-tmean",
-         Aggregation.SEQUENCE_MEAN_TOKEN_SUM: "seq-tsum", Aggregation.CONSTANT: "constant",
-         Aggregation.TOKEN_SUM: "tok-sum"}
 weights = {mode: loss_weights(demo, mode, max_len=L) for mode in MODES}
-
-TOKEN = {0: "0", 1: "1", EOS: "EOS"}
-print(f"\n{'row':>3} {'col':>3} {'seq':>3} {'token':>6} {'loss':>5} {'|y_i|':>5} {'A':>6} "
-      + " ".join(f"{SHORT[m]:>9}" for m in MODES))
-for r in range(demo.num_rows):
-    for c in range(demo.capacity):
-        s = int(demo.sequence_id[r, c])
-        if s < 0:
-            continue                                          # padding
-        on = bool(demo.loss_mask[r, c])
-        print(f"{r:>3} {c:>3} {s:>3} {TOKEN[int(demo.tokens[r, c])]:>6} {'yes' if on else '-':>5} "
-              f"{int(demo.length[s]):>5} {float(demo.advantage[r, c]):>+6.2f} "
-              + " ".join(f"{float(weights[m][r, c]):>9.4f}" for m in MODES))
+print(t04.weight_table(demo, weights, eos=EOS))   # every token: its advantage, its 5 weights
 
 # %% [markdown]
 # Each sequence occupies a run of one row; its first token is the prompt (no loss, weight 0). Within
@@ -255,12 +232,8 @@ closed_form = {
     Aggregation.CONSTANT: len_S / (S_demo * L),
     Aggregation.TOKEN_SUM: len_S,
 }
-print(f"S = {S_demo} sequences, N = {N_demo} loss tokens, L_max = {L}\n")
-print(f"{'seq':>3} {'|y_i|':>5} " + " ".join(f"{SHORT[m]:>9}" for m in MODES))
 totals = {m: demo.sequence_sum(weights[m]) for m in MODES}
-for s in range(S_demo):
-    print(f"{s:>3} {int(demo.length[s]):>5} " + " ".join(f"{float(totals[m][s]):>9.4f}" for m in MODES))
-print(f"{'sum':>9} " + " ".join(f"{float(totals[m].sum()):>9.4f}" for m in MODES))
+print(t04.sequence_total_table(demo, totals, max_len=L))
 worst = max(float((totals[m] - closed_form[m]).abs().max()) for m in MODES)
 print(f"\nmax |sequence total - closed form| over all modes = {worst:.1e}")
 assert worst < EXACT_TOL
@@ -321,14 +294,7 @@ J_fixed = float(objective(mdp, policy).detach())
 grad_per_token = flat_grad(length_normalized_objective(mdp, policy, baseline=J_fixed), policy)
 
 print(f"G = {G}, one prompt per batch\n")
-print(f"{'mode':>20} {'‖E ĝ‖':>8} {'cos ∇J':>8} {'cos ∇E[R/|y|]':>14} "
-      f"{'cos ∇E[(R-J)/|y|]':>18} {'d E|y| / step':>14}")
-for mode, r in results.items():
-    unit = r.mean / r.mean.norm()
-    cos_b = float(unit @ grad_per_token / grad_per_token.norm())
-    print(f"{mode.value:>20} {float(r.mean.norm()):>8.4f} {r.cosine_to_grad_J:>8.4f} "
-          f"{r.cosine_to_grad_length_normalized:>14.4f} {cos_b:>18.4f} "
-          f"{float(unit @ grad_len):>+14.4f}")
+print(t04.cosine_table(results, grad_per_token, grad_len))
 
 # %% [markdown]
 # The last column is the length slope of a unit step along each mean, $\langle \mathbb{E}[\hat g] /
@@ -343,24 +309,16 @@ for mode, r in results.items():
 # difference.
 
 # %%
-predicted = {
-    Aggregation.TOKEN_SUM: (G - 1) * grad_J,
-    Aggregation.SEQUENCE_MEAN_TOKEN_SUM: (G - 1) / G * grad_J,
-    Aggregation.CONSTANT: (G - 1) / (G * L) * grad_J,
-    Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: (G - 1) / G * grad_per_token,
+predicted = {   # mode: (formula, closed form)
+    Aggregation.TOKEN_SUM: ("(G-1) ∇J", (G - 1) * grad_J),
+    Aggregation.SEQUENCE_MEAN_TOKEN_SUM: ("(G-1)/G ∇J", (G - 1) / G * grad_J),
+    Aggregation.CONSTANT: ("(G-1)/(G L) ∇J", (G - 1) / (G * L) * grad_J),
+    Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: ("(G-1)/G ∇E[(R-J)/|y|]", (G - 1) / G * grad_per_token),
 }
-formula = {
-    Aggregation.TOKEN_SUM: "(G-1) ∇J",
-    Aggregation.SEQUENCE_MEAN_TOKEN_SUM: "(G-1)/G ∇J",
-    Aggregation.CONSTANT: "(G-1)/(G L) ∇J",
-    Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: "(G-1)/G ∇E[(R-J)/|y|]",
-}
-print(f"{'mode':>20} {'closed form':>24} {'‖E ĝ‖':>9} {'‖formula‖':>10} {'max |difference|':>17}")
-for mode, target in predicted.items():
-    diff = float((results[mode].mean - target).abs().max())
-    print(f"{mode.value:>20} {formula[mode]:>24} {float(results[mode].mean.norm()):>9.5f} "
-          f"{float(target.norm()):>10.5f} {diff:>17.1e}")
-    assert diff < EXACT_TOL
+closed_forms = t04.closed_form_table([(mode.value, formula, results[mode].mean, target)
+                                      for mode, (formula, target) in predicted.items()])
+print(closed_forms)
+assert max(row[-1] for row in closed_forms.rows) < EXACT_TOL     # max |difference|
 
 # %% [markdown]
 # Four of the five modes are pinned down to rounding error. For the three $\nabla J$ modes the only
@@ -426,26 +384,20 @@ no_baseline = Estimator(surrogate=Reinforce(), advantage=RewardAsAdvantage(),
                         aggregation=per_token_mean)
 mean_no_baseline = moments(mdp, policy, no_baseline, group_size=G, jacobian=jacobian).mean
 grad_R_over_len = flat_grad(length_normalized_objective(mdp, policy), policy)
-inv_len = (mdp.prompt_probs[mdp.terminal_prompt_index] * sequence_probs(mdp, policy)
-           / LENGTH).sum()                                              # E[1/|y|]
-grad_inv_len = flat_grad(inv_len, policy)
+grad_inv_len = flat_grad(t04.expected_inverse_length(mdp, policy), policy)    # ∇E[1/|y|]
+baselines = t04.closed_form_table(
+    [("A = R", "∇E[R/|y|]", mean_no_baseline, grad_R_over_len),
+     ("A = R - group mean", "(G-1)/G ∇E[(R-J)/|y|]", results[per_token_mean].mean,
+      (G - 1) / G * (grad_R_over_len - J_fixed * grad_inv_len))],
+    label="advantage", width=18, decimals=6)
+print(baselines)
+assert max(row[-1] for row in baselines.rows) < EXACT_TOL
 
-print(f"{'advantage':>18} {'closed form':>24} {'‖E ĝ‖':>9} {'‖formula‖':>10} "
-      f"{'max |difference|':>17}")
-rows = [
-    ("A = R", "∇E[R/|y|]", mean_no_baseline, grad_R_over_len),
-    ("A = R - group mean", "(G-1)/G ∇E[(R-J)/|y|]", results[per_token_mean].mean,
-     (G - 1) / G * (grad_R_over_len - J_fixed * grad_inv_len)),
-]
-for name, form, estimate, exact in rows:
-    diff = float((estimate - exact).abs().max())
-    print(f"{name:>18} {form:>24} {float(estimate.norm()):>9.6f} {float(exact.norm()):>10.6f} "
-          f"{diff:>17.1e}")
-    assert diff < EXACT_TOL
-
+# %%
+baseline_slope = float(-J_fixed * grad_inv_len @ grad_len)
 print(f"\nlength slope of the baseline term -J ∇E[1/|y|]: "
-      f"{float(-J_fixed * grad_inv_len @ grad_len):+.5f} (> 0: towards longer responses)")
-assert float(-J_fixed * grad_inv_len @ grad_len) > 0
+      f"{baseline_slope:+.5f} (> 0: towards longer responses)")
+assert baseline_slope > 0
 
 # %% [markdown]
 # ### Short when right, long when wrong
@@ -488,8 +440,8 @@ assert all(d < 0 for d in slope_c) and all(d > 0 for d in slope_w)
 # Along the others the signs should be those of the table: negative for correct, positive for wrong.
 
 # %%
-grad_len_correct = flat_grad(length_given_answer(policy, CORRECT), policy)
-grad_len_wrong = flat_grad(length_given_answer(policy, WRONG), policy)
+grad_len_correct = flat_grad(t04.conditional_length(mdp, policy, CORRECT), policy)
+grad_len_wrong = flat_grad(t04.conditional_length(mdp, policy, WRONG), policy)
 
 print(f"{'mode':>20} {'d E[|y| | correct] / step':>26} {'d E[|y| | wrong] / step':>24}")
 slopes = {}
@@ -569,8 +521,8 @@ def ascend(estimator, steps, lr):
     for k in range(steps + 1):
         with torch.no_grad():
             track.append((float(objective(mdp, pi)), float(expected_length(mdp, pi)),
-                          float(length_given_answer(pi, CORRECT)),
-                          float(length_given_answer(pi, WRONG))))
+                          float(t04.conditional_length(mdp, pi, CORRECT)),
+                          float(t04.conditional_length(mdp, pi, WRONG))))
         if k == steps:
             break
         direction = moments(mdp, pi, estimator, group_size=G).mean
@@ -579,6 +531,7 @@ def ascend(estimator, steps, lr):
     return track
 
 
+# %%
 SHOWN = ("constant", "token-mean", "seq-mean-token-mean")
 detailed = {name: ascend(estimators_by_mode[name], DRIFT_STEPS, DRIFT_LR) for name in SHOWN}
 agree = max(abs(a[i] - b[i]) for name in SHOWN
@@ -586,32 +539,9 @@ agree = max(abs(a[i] - b[i]) for name in SHOWN
 print(f"max |own loop - length_drift| over J and E|y|: {agree:.1e}")
 assert agree < EXACT_TOL
 
-STYLE = {"token-mean": ("#dd8452", "-"), "seq-mean-token-mean": ("#c44e52", "-"),
-         "seq-mean-token-sum": ("#4c72b0", "-"), "constant": ("#55a868", "--"),
-         "token-sum": ("#8172b3", ":")}
-fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
-panels = [(axes[0, 0], "expected reward J", tracks, 0),
-          (axes[0, 1], "expected length E|y|", tracks, 1),
-          (axes[1, 0], "length of correct responses E[|y| | y_1 = 0]", detailed, 2),
-          (axes[1, 1], "length of wrong responses E[|y| | y_1 = 1]", detailed, 3)]
-for ax, title, source, i in panels:
-    for name, track in source.items():
-        color, ls = STYLE[name]
-        label = name if source is tracks or name != "constant" else "constant (every ∇J mode)"
-        ax.plot([t[i] for t in track], color=color, ls=ls, lw=2, label=label)
-    ax.set_title(title)
-    ax.set_ylabel("J" if i == 0 else "tokens")
-for ax in axes[1]:
-    ax.set_xlabel(f"exact ascent step (unit direction, length {DRIFT_LR})")
-axes[0, 1].legend(fontsize=8)
-axes[1, 1].legend(fontsize=8)
-fig.tight_layout()
+t04.length_drift_figure(tracks, detailed, lr=DRIFT_LR)   # J, E|y| and the conditional lengths
 plt.show()
-
-print(f"{'mode':>20} {'correct: start':>15} {'end':>7} {'wrong: start':>13} {'end':>7}")
-for name, track in detailed.items():
-    print(f"{name:>20} {track[0][2]:>15.4f} {track[-1][2]:>7.4f} {track[0][3]:>13.4f} "
-          f"{track[-1][3]:>7.4f}")
+print(t04.conditional_length_table(detailed))
 const = detailed["constant"]
 assert abs(const[-1][2] - const[0][2]) < EXACT_TOL and abs(const[-1][3] - const[0][3]) < EXACT_TOL
 for name in ("token-mean", "seq-mean-token-mean"):
@@ -678,24 +608,19 @@ assert abs((full_loss - nll).item()) < EXACT_TOL
 # and compare both the loss and its gradient with the full step.
 
 # %%
-full_grad = flat_grad(full_loss, policy)
-print(f"full step: {step.num_loss_tokens} loss tokens in {step.num_rows} rows, "
-      f"loss {full_loss.item():.6f}\n")
-print(f"{'K':>2} {'tokens per micro-batch':>24} {'Σ_k loss_k':>11} {'diff':>8} {'‖∇ diff‖':>9} "
-      f"{'mean of means':>14} {'diff':>9} {'‖∇ diff‖':>9}")
+splits = []
 for K in (1, 2, 3, 6):
     parts = [mb.batch for mb in split_micro_batches(step, K)]
-    summed = sum(loss(policy.token_logprobs(p), p, sft)[0] for p in parts)
+    summed = sum(loss(policy.token_logprobs(p), p, sft)[0] for p in parts)      # step weights
     naive = sum(per_micro_batch_token_mean_loss(policy.token_logprobs(p), p, sft)[0]
-                for p in parts) / K
-    d_sum, d_naive = (summed - full_loss).item(), (naive - full_loss).item()
-    g_sum = float((flat_grad(summed, policy) - full_grad).norm())
-    g_naive = float((flat_grad(naive, policy) - full_grad).norm())
-    counts = [p.num_loss_tokens for p in parts]
-    print(f"{K:>2} {str(counts):>24} {summed.item():>11.6f} {d_sum:>8.0e} {g_sum:>9.0e} "
-          f"{naive.item():>14.6f} {d_naive:>+9.5f} {g_naive:>9.5f}")
+                for p in parts) / K                                          # mean of means
+    splits.append((K, [p.num_loss_tokens for p in parts], summed, naive))
+split_table = t04.micro_batch_table(step, full_loss, splits, policy)   # values and gradients
+print(split_table)
+for _, _, _, d_sum, g_sum, *_ in split_table.rows:
     assert abs(d_sum) < EXACT_TOL and g_sum < EXACT_TOL
 
+# %%
 # layout is memory, not meaning: the same step padded, one sequence per row
 padded = padded_layout(step)
 padded_loss = loss(policy.token_logprobs(padded), padded, sft)[0]
