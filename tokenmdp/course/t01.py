@@ -52,7 +52,7 @@ class Table:
     columns : sequence of (str, int, str)
         Header, width and format spec (e.g. ``".9f"``, ``"+.2e"``, ``""``) of each column.
     rows : sequence of sequences
-        The values, one per column; kept as given in :attr:`rows` (a list of tuples).
+        The values, one per column; kept as given in the attribute ``rows`` (a list of tuples).
     """
 
     def __init__(self, columns: Sequence[tuple[str, int, str]], rows: Sequence[Sequence]):
