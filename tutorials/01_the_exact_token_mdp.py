@@ -59,14 +59,13 @@ from tokenmdp.course.t01 import (
     flat_grad_retained,
     leaf_table,
     lemma_table,
-    monte_carlo_figure,
     monte_carlo_table,
-    prefix_tree_figure,
     response_ids,
     response_table,
     route_agreement_table,
     route_table,
 )
+from tokenmdp.course.t01_figures import monte_carlo_figure, prefix_tree_figure
 from tokenmdp.exact import (
     LogLinearPolicy,
     NeuralPolicy,

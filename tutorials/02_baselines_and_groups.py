@@ -55,7 +55,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import tokenmdp
-from tokenmdp.course import t02
+from tokenmdp.course import t02, t02_figures
 from tokenmdp.estimators import (
     Advantage,
     GroupMean,
@@ -289,7 +289,7 @@ curve = [reinforce_variance(torch.full((N,), float(b), dtype=torch.float64), G_B
          for b in b_grid]
 points = {label: (b, baseline_variance[label]) for label, b in
           [("b = -1", -1.0), ("b = 0", 0.0), ("b = J", J)]}
-t02.baseline_parabola_figure(b_grid.tolist(), curve, points, baseline_variance["b = V(x)"],
+t02_figures.baseline_parabola_figure(b_grid.tolist(), curve, points, baseline_variance["b = V(x)"],
                              G_BASELINE)
 plt.show()
 
@@ -632,7 +632,7 @@ curves = {G: [grpo_binary_scale(p, G, 1) for p in p_grid] for G in [2, 3, 4, 8, 
 dots = {f"prompt {mdp.prompts[x]}": (float(J_P[x]), {
     G: per_prompt_scale(exact("GRPO, sample std", G).mean)[x] for G in (4, G_LARGE)})
     for x in range(P)}
-t02.grpo_scale_figure(p_grid, curves, dots)
+t02_figures.grpo_scale_figure(p_grid, curves, dots)
 plt.show()
 
 
@@ -830,7 +830,7 @@ for G in GS:
 
 # %%
 oracle = [reinforce_variance(vx_N, G) for G in GS]
-t02.bias_variance_figure(ms, GS, predicted_bias, oracle)
+t02_figures.bias_variance_figure(ms, GS, predicted_bias, oracle)
 plt.show()
 
 

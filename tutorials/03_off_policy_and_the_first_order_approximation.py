@@ -85,7 +85,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import tokenmdp
-from tokenmdp.course import t03
+from tokenmdp.course import t03, t03_figures
 from tokenmdp.course.t03 import one_sample, response_scores, rloo
 from tokenmdp.estimators import (
     ImportanceSampling,
@@ -245,7 +245,7 @@ assert all(math.exp(row["kl"]) <= 1 + row["chi2"] + EXACT_TOL for row in sweep)
 # On a plot against the KL, with the multiplier $1 + \chi^2$ beside it:
 
 # %%
-t03.plot_sweep_variance(sweep, on_policy.total_variance, group_size=G)
+t03_figures.plot_sweep_variance(sweep, on_policy.total_variance, group_size=G)
 plt.show()
 
 
@@ -329,7 +329,7 @@ assert all(abs(second - pred) < EXACT_TOL * max(1.0, pred) for *_, second, pred 
 # the ratio is not yet in its regime); the successive ratios approach $1 + \chi^2_{\text{tok}}$.
 
 # %%
-t03.plot_length_variance(by_length, chi2_tok)
+t03_figures.plot_length_variance(by_length, chi2_tok)
 plt.show()
 print(t03.length_ratio_table(by_length, chi2_tok))
 
@@ -481,7 +481,7 @@ with torch.no_grad():
     eps_A = float(values(mdp, pi).A.abs().max())        # ε = max |A^{π_old}(s, a)|
 kl_bound = [eps_A * L * (L - 1) * k for k in path_max_state_kl]
 
-t03.plot_gap_orders(path, path_kl, kl_bound, anchor=small[0])
+t03_figures.plot_gap_orders(path, path_kl, kl_bound, anchor=small[0])
 plt.show()
 
 assert all(p.bound <= b * (1 + EXACT_TOL) for p, b in zip(path, kl_bound))
@@ -563,7 +563,7 @@ print(ppo_rows)
 assert all(to_L < EXACT_TOL for _, _, clip, _, to_L, *_ in ppo_rows.rows if clip == 0.0)
 
 # %%
-t03.plot_ppo(ppo, PPO_DISTANCES, EPSILONS + [math.inf])
+t03_figures.plot_ppo(ppo, PPO_DISTANCES, EPSILONS + [math.inf])
 plt.show()
 
 # %% [markdown]
@@ -683,7 +683,7 @@ assert (icepop.mean - is_tok.mean).abs().max() < EXACT_TOL
 print(t03.mse_table(references, curves, CAPS, B))
 
 # %%
-t03.plot_cap_tradeoff(curves, references, CAPS, B, tol=EXACT_TOL)
+t03_figures.plot_cap_tradeoff(curves, references, CAPS, B, tol=EXACT_TOL)
 plt.show()
 
 best = {name: CAPS[min(range(len(CAPS)), key=lambda i: t03.mse(ms[i], B))]

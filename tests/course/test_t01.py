@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from tokenmdp.course import t01
+from tokenmdp.course import t01, t01_figures
 from tokenmdp.exact import (
     NeuralPolicy,
     TabularPolicy,
@@ -183,7 +183,7 @@ def test_calibration_table_rows_against_direct_means():
 
 def test_prefix_tree_figure_has_a_title_and_labelled_axes():
     mdp, policy = copy_task()
-    fig = t01.prefix_tree_figure(mdp, policy)
+    fig = t01_figures.prefix_tree_figure(mdp, policy)
     assert len(fig.get_axes()) == mdp.num_prompts and fig._suptitle is not None
     for ax in fig.get_axes():
         assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
@@ -194,7 +194,7 @@ def test_monte_carlo_figure_has_titles_and_labelled_axes():
     mdp, policy = copy_task()
     g = gradient(mdp, policy)
     se = torch.full_like(g, 0.01)
-    fig = t01.monte_carlo_figure(mdp, g + se, se, g, torch.ones_like(g), n_samples=10)
+    fig = t01_figures.monte_carlo_figure(mdp, g + se, se, g, torch.ones_like(g), n_samples=10)
     top, bottom = fig.get_axes()
     assert top.get_title() and top.get_ylabel() and top.get_legend() is not None
     assert bottom.get_title() and bottom.get_xlabel() and bottom.get_ylabel()

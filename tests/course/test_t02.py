@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tokenmdp.course import t02  # noqa: E402
+from tokenmdp.course import t02, t02_figures  # noqa: E402
 from tokenmdp.estimators import get  # noqa: E402
 from tokenmdp.exact import TabularPolicy, TokenMDP, moments, sample, sequence_probs  # noqa: E402
 
@@ -129,13 +129,13 @@ def _labelled(fig):
 
 def test_figures_have_titles_and_labelled_axes(world):
     _, _, _, exact = world
-    _labelled(t02.baseline_parabola_figure([0.0, 1.0], [2.0, 1.0], {"b = 0": (0.0, 2.0)}, 1.5, 4))
+    _labelled(t02_figures.baseline_parabola_figure([0.0, 1.0], [2.0, 1.0], {"b = 0": (0.0, 2.0)}, 1.5, 4))
     p = [0.2, 0.5, 0.8]
-    fig = t02.grpo_scale_figure(p, {2: [1.0] * 3, 4: [2.0] * 3}, {"prompt (0,)": (0.5, {4: 2.0})})
+    fig = t02_figures.grpo_scale_figure(p, {2: [1.0] * 3, 4: [2.0] * 3}, {"prompt (0,)": (0.5, {4: 2.0})})
     assert "G = 4" in fig.axes[0].get_title()
     _labelled(fig)
     ms = {"RLOO": [exact("RLOO", 2), exact("RLOO", 3)], "REINFORCE": [exact("REINFORCE", 2),
                                                                       exact("REINFORCE", 3)]}
-    fig = t02.bias_variance_figure(ms, [2, 3], {"RLOO": [0.0, 0.0]}, [1.0, 0.5])
+    fig = t02_figures.bias_variance_figure(ms, [2, 3], {"RLOO": [0.0, 0.0]}, [1.0, 0.5])
     assert len(fig.axes) == 3 and all(ax.get_title() for ax in fig.axes)
     _labelled(fig)

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from tokenmdp.course import t03  # noqa: E402
+from tokenmdp.course import t03, t03_figures  # noqa: E402
 from tokenmdp.estimators import (  # noqa: E402
     ImportanceSampling,
     Level,
@@ -127,7 +127,7 @@ def test_mse_is_squared_bias_plus_variance_over_groups():
 # --- tables ---------------------------------------------------------------------------------
 
 def test_table_prints_the_notebooks_fixed_width_layout():
-    table = t03.Table([(1.5, -0.25, "x")], [("a", 5, ".2f"), "|", ("b", 7, "+.3f"), ("c", 3, "s")])
+    table = t03.Table([("a", 5, ".2f"), "|", ("b", 7, "+.3f"), ("c", 3, "s")], [(1.5, -0.25, "x")])
     assert str(table) == f"{'a':>5} | {'b':>7} {'c':>3}\n{1.5:>5.2f} | {-0.25:>+7.3f} {'x':>3}"
     assert table.rows == [(1.5, -0.25, "x")]
 
@@ -223,13 +223,13 @@ def test_every_figure_has_titled_labelled_panels(world):
     m = fake_moments([1.0, 2.0], [0.1, 0.2], 0.5)
     sweep = [dict(distance=d, kl=0.1 * (i + 1), chi2=0.2 * (i + 1), seq=m, tok=m)
              for i, d in enumerate([0.0, 0.5, 1.0, 2.0, 4.0])]
-    _assert_labelled(t03.plot_sweep_variance(sweep, 0.3, group_size=2), 2)
+    _assert_labelled(t03_figures.plot_sweep_variance(sweep, 0.3, group_size=2), 2)
     by_length = [dict(T=T, seq=m, tok=m, on=m) for T in [1, 2, 3]]
-    _assert_labelled(t03.plot_length_variance(by_length, 0.4), 2)
+    _assert_labelled(t03_figures.plot_length_variance(by_length, 0.4), 2)
     path = first_order_path(mdp, pi, gradient(mdp, pi), [0.01, 0.1, 1.0])
     kls = [1e-4, 1e-2, 1.0]
-    _assert_labelled(t03.plot_gap_orders(path, kls, [2 * p.bound for p in path], path[0]), 2)
+    _assert_labelled(t03_figures.plot_gap_orders(path, kls, [2 * p.bound for p in path], path[0]), 2)
     ppo = {(d, eps): dict(m=m, clip=0.1) for d in [0.1, 0.5] for eps in [0.1, math.inf]}
-    _assert_labelled(t03.plot_ppo(ppo, [0.1, 0.5], [0.1, math.inf]), 2)
-    _assert_labelled(t03.plot_cap_tradeoff({"TIS": [m, m]}, {"IS": m}, [2.0, 1.5], 64,
+    _assert_labelled(t03_figures.plot_ppo(ppo, [0.1, 0.5], [0.1, math.inf]), 2)
+    _assert_labelled(t03_figures.plot_cap_tradeoff({"TIS": [m, m]}, {"IS": m}, [2.0, 1.5], 64,
                                            tol=EXACT_TOL), 3)

@@ -16,11 +16,11 @@ import copy
 import math
 from collections.abc import Sequence
 
-import matplotlib.pyplot as plt
 import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from tokenmdp.course.table import Table
 from tokenmdp.estimators import (
     Aggregation,
     Estimator,
@@ -32,10 +32,9 @@ from tokenmdp.estimators import (
 )
 from tokenmdp.exact import TabularPolicy, TokenMDP, sample, sequence_kl, state_logprobs
 
-__all__ = ["Table", "composition_table", "cap_table", "fixed_length_pair", "length_identity_table",
+__all__ = ["composition_table", "cap_table", "fixed_length_pair", "length_identity_table",
            "length_ratio_table", "monte_carlo_clip_fraction", "mse", "mse_table", "one_sample",
-           "path_kls", "path_table", "plot_cap_tradeoff", "plot_gap_orders", "plot_length_variance",
-           "plot_ppo", "plot_sweep_variance", "ppo_table", "response_scores", "rloo", "sweep_table"]
+           "path_kls", "path_table", "ppo_table", "response_scores", "rloo", "sweep_table"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,41 +231,6 @@ def mse(m, groups: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # Tables: rows plus a fixed-width layout, printed as the notebook's stdout
 
-class Table:
-    """Rows under fixed-width headers; ``str(table)`` is the printed text.
-
-    Parameters
-    ----------
-    rows : list of tuple
-        One tuple per row, a value per column (separators take none).
-    columns : sequence
-        Per column ``(header, width, fmt)``: the header right-aligned to ``width``, the value
-        formatted with ``f"{value:>{width}{fmt}}"`` (a ``fmt`` starting with ``+`` puts the sign
-        before the width); the string ``"|"`` is a separator column.
-    """
-
-    def __init__(self, rows: list[tuple], columns: Sequence):
-        self.rows = rows
-        self.columns = list(columns)
-
-    @staticmethod
-    def _spec(width: int, fmt: str) -> str:
-        return f">+{width}{fmt[1:]}" if fmt.startswith("+") else f">{width}{fmt}"
-
-    def __str__(self) -> str:
-        header = " ".join(c if c == "|" else f"{c[0]:>{c[1]}}" for c in self.columns)
-        lines = [header]
-        for row in self.rows:
-            values, cells = iter(row), []
-            for c in self.columns:
-                cells.append(c if c == "|" else format(next(values), self._spec(c[1], c[2])))
-            lines.append(" ".join(cells))
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
 def composition_table(pairs: dict) -> Table:
     """The two compositions of one estimator side by side (section 1).
 
@@ -282,9 +246,9 @@ def composition_table(pairs: dict) -> Table:
     """
     rows = [(name, float(s.mean.norm()), float(c.mean.norm()), float((s.mean - c.mean).abs().max()),
              s.total_variance - c.total_variance) for name, (s, c) in pairs.items()]
-    return Table(rows, [("estimator", 12, "s"), ("surrogate: ||E ĝ||", 19, ".6f"),
+    return Table(columns=[("estimator", 12, "s"), ("surrogate: ||E ĝ||", 19, ".6f"),
                         ("correction: ||E ĝ||", 20, ".6f"), ("max |Δ E ĝ|", 12, ".1e"),
-                        ("Δ variance", 11, ".1e")])
+                        ("Δ variance", 11, ".1e")], rows=rows)
 
 
 def sweep_table(sweep: list[dict]) -> Table:
@@ -304,10 +268,10 @@ def sweep_table(sweep: list[dict]) -> Table:
     rows = [(r["distance"], r["kl"], math.exp(r["kl"]), 1 + r["chi2"], float(r["seq"].bias.norm()),
              r["seq"].total_variance, r["tok"].relative_bias, r["tok"].total_variance)
             for r in sweep]
-    return Table(rows, [("d", 5, ".2f"), ("KL(π‖μ)", 8, ".4f"), ("exp KL", 7, ".3f"),
+    return Table(columns=[("d", 5, ".2f"), ("KL(π‖μ)", 8, ".4f"), ("exp KL", 7, ".3f"),
                         ("1+χ²", 8, ".3f"), "|", ("seq IS ||bias||", 15, ".1e"),
                         ("seq IS var", 10, ".4f"), "|", ("token IS ||bias||/||∇J||", 24, ".4f"),
-                        ("token IS var", 12, ".4f")])
+                        ("token IS var", 12, ".4f")], rows=rows)
 
 
 def length_identity_table(entries: Sequence[tuple]) -> Table:
@@ -324,9 +288,9 @@ def length_identity_table(entries: Sequence[tuple]) -> Table:
         Each identity's two sides and their difference.
     """
     rows = [(T, a, b, a - b, s, p, s - p) for T, a, b, s, p in entries]
-    return Table(rows, [("T", 2, ""), ("1+χ²_seq", 9, ".5f"), ("(1+χ²_tok)^T", 12, ".5f"),
+    return Table(columns=[("T", 2, ""), ("1+χ²_seq", 9, ".5f"), ("(1+χ²_tok)^T", 12, ".5f"),
                         ("diff", 8, ".1e"), "|", ("E||ĝ||² (moments)", 17, ".6f"),
-                        ("(1+χ²) E_q[R²||σ||²]", 20, ".6f"), ("diff", 8, ".1e")])
+                        ("(1+χ²) E_q[R²||σ||²]", 20, ".6f"), ("diff", 8, ".1e")], rows=rows)
 
 
 def _excess(by_length: list[dict]) -> list[float]:
@@ -354,9 +318,9 @@ def length_ratio_table(by_length: list[dict], chi2_tok: float) -> Table:
     excess = _excess(by_length)
     rows = [(r["T"], e / e_prev, 1 + chi2_tok, e / e_prev - 1 - chi2_tok, r["tok"].relative_bias,
              r["seq"].relative_bias) for r, e_prev, e in zip(by_length[1:], excess, excess[1:])]
-    return Table(rows, [("T", 2, ""), ("var(T)/var(T-1), sequence IS / on-policy", 42, ".4f"),
+    return Table(columns=[("T", 2, ""), ("var(T)/var(T-1), sequence IS / on-policy", 42, ".4f"),
                         ("1+χ²_tok", 9, ".4f"), ("difference", 11, "+.4f"), "|",
-                        ("token IS rel. bias", 18, ".4f"), ("sequence IS rel. bias", 21, ".1e")])
+                        ("token IS rel. bias", 18, ".4f"), ("sequence IS rel. bias", 21, ".1e")], rows=rows)
 
 
 def path_table(path: Sequence, path_kl: Sequence[float]) -> Table:
@@ -376,9 +340,9 @@ def path_table(path: Sequence, path_kl: Sequence[float]) -> Table:
     """
     rows = [(p.step, p.true_improvement, p.token_surrogate_improvement, p.sequence_is_improvement,
              p.gap, p.bound, p.gradient_error, kl, p.gap / kl) for p, kl in zip(path, path_kl)]
-    return Table(rows, [("s", 7, ".3g"), ("J - J_old", 10, ".3e"), ("L - J_old", 10, ".3e"),
+    return Table(columns=[("s", 7, ".3g"), ("J - J_old", 10, ".3e"), ("L - J_old", 10, ".3e"),
                         ("seqIS - J_old", 13, ".3e"), ("gap J-L", 10, ".2e"), ("bound", 9, ".2e"),
-                        ("||∇L-∇J||", 10, ".2e"), ("KL", 9, ".2e"), ("gap/KL", 7, ".4f")])
+                        ("||∇L-∇J||", 10, ".2e"), ("KL", 9, ".2e"), ("gap/KL", 7, ".4f")], rows=rows)
 
 
 def ppo_table(ppo: dict, grad_L: dict, grad_J: torch.Tensor) -> Table:
@@ -401,9 +365,9 @@ def ppo_table(ppo: dict, grad_L: dict, grad_J: torch.Tensor) -> Table:
     scale = grad_J.norm()
     rows = [(d, eps, v["clip"], v["m"].cosine, float((v["m"].mean - grad_L[d]).norm() / scale),
              float(v["m"].mean.norm() / scale), v["m"].total_variance) for (d, eps), v in ppo.items()]
-    return Table(rows, [("d", 5, ".2f"), ("ε", 5, ""), ("clip frac", 9, ".4f"),
+    return Table(columns=[("d", 5, ".2f"), ("ε", 5, ""), ("clip frac", 9, ".4f"),
                         ("cos(E ĝ, ∇J)", 13, ".4f"), ("||E ĝ - ∇L||/||∇J||", 20, ".2e"),
-                        ("||E ĝ||/||∇J||", 15, ".4f"), ("variance", 9, ".4f")])
+                        ("||E ĝ||/||∇J||", 15, ".4f"), ("variance", 9, ".4f")], rows=rows)
 
 
 def cap_table(same: dict) -> Table:
@@ -421,9 +385,9 @@ def cap_table(same: dict) -> Table:
     """
     rows = [(name, m.relative_bias, ref.relative_bias, float((m.mean - ref.mean).abs().max()),
              m.total_variance, ref.total_variance) for name, (m, ref) in same.items()]
-    return Table(rows, [("correction", 22, "s"), ("rel. bias", 10, ".5f"), ("IS rel. bias", 13, ".5f"),
+    return Table(columns=[("correction", 22, "s"), ("rel. bias", 10, ".5f"), ("IS rel. bias", 13, ".5f"),
                         ("max |Δ E ĝ|", 12, ".1e"), ("variance", 9, ".5f"),
-                        ("IS variance", 12, ".5f")])
+                        ("IS variance", 12, ".5f")], rows=rows)
 
 
 def mse_table(references: dict, curves: dict, caps: Sequence[float], groups: int) -> Table:
@@ -449,206 +413,11 @@ def mse_table(references: dict, curves: dict, caps: Sequence[float], groups: int
     entries += [(name, c, m) for name, ms in curves.items() for c, m in zip(caps, ms)]
     rows = [(name, c, float(m.bias @ m.bias), m.total_variance, mse(m, 1), mse(m, groups))
             for name, c, m in entries]
-    return Table(rows, [("estimator", 14, "s"), ("C", 5, ""), ("||bias||²", 10, ".2e"),
-                        ("variance", 9, ".4f"), ("MSE_1", 8, ".4f"), (f"MSE_{groups}", 9, ".5f")])
+    return Table(columns=[("estimator", 14, "s"), ("C", 5, ""), ("||bias||²", 10, ".2e"),
+                        ("variance", 9, ".4f"), ("MSE_1", 8, ".4f"), (f"MSE_{groups}", 9, ".5f")], rows=rows)
 
 
 # ---------------------------------------------------------------------------------------------
 # Figures (returned; the notebook shows them)
 
-def plot_sweep_variance(sweep: list[dict], on_policy_variance: float, *, group_size: int):
-    """Variance of sequence and token IS against the KL, and the multiplier against ``1 + χ²``.
 
-    Parameters
-    ----------
-    sweep : list of dict
-        As for :func:`sweep_table`.
-    on_policy_variance : float
-        The on-policy RLOO variance (reference line and denominator).
-    group_size : int
-        ``G``, for the title.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    kls = [row["kl"] for row in sweep]
-    fig, (ax_v, ax_c) = plt.subplots(1, 2, figsize=(12, 4.2))
-    ax_v.semilogy(kls, [row["seq"].total_variance for row in sweep], "o-", label="sequence IS")
-    ax_v.semilogy(kls, [row["tok"].total_variance for row in sweep], "s-", label="token IS")
-    ax_v.axhline(on_policy_variance, color="0.5", ls=":", label="on-policy RLOO")
-    for row in sweep[-4:]:
-        ax_v.annotate(f"d={row['distance']:g}", (row["kl"], row["seq"].total_variance),
-                      textcoords="offset points", xytext=(-10, 6), fontsize=8)
-    ax_v.set_xlabel("KL(π_θ ‖ μ) of whole responses")
-    ax_v.set_ylabel("total variance tr Cov[ĝ]")
-    ax_v.set_title(f"exact variance of one group (G = {group_size})")
-    ax_v.legend()
-    chi = [1 + row["chi2"] for row in sweep[1:]]
-    ax_c.loglog(chi, [row["seq"].total_variance / on_policy_variance for row in sweep[1:]], "o-",
-                label="sequence-IS variance / on-policy variance")
-    ax_c.loglog(chi, chi, "k--", label="1 + χ²  (slope 1)")
-    ax_c.loglog(chi, [math.exp(row["kl"]) for row in sweep[1:]], ":", color="C2",
-                label="exp KL  (≤ 1 + χ²)")
-    ax_c.set_xlabel("1 + χ²(π_θ ‖ μ)")
-    ax_c.set_ylabel("multiplier")
-    ax_c.set_title("the variance multiplier")
-    ax_c.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def plot_length_variance(by_length: list[dict], chi2_tok: float):
-    """Exact variances against the response length, and the excess of sequence IS.
-
-    Parameters
-    ----------
-    by_length : list of dict
-        As for :func:`length_ratio_table`.
-    chi2_tok : float
-        The per-token ``χ²`` of the reference slope.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    Ts, excess = [row["T"] for row in by_length], _excess(by_length)
-    fig, (ax_l, ax_r) = plt.subplots(1, 2, figsize=(12, 4.2))
-    ax_l.semilogy(Ts, [row["seq"].total_variance for row in by_length], "o-", label="sequence IS")
-    ax_l.semilogy(Ts, [row["tok"].total_variance for row in by_length], "s-", label="token IS")
-    ax_l.semilogy(Ts, [row["on"].total_variance for row in by_length], "^-", color="0.4",
-                  label="on-policy REINFORCE")
-    ax_l.set_xlabel("response length T")
-    ax_l.set_ylabel("total variance")
-    ax_l.set_title("exact variance against the response length")
-    ax_l.legend()
-    ax_r.semilogy(Ts[1:], excess[1:], "o-", label="sequence-IS variance / on-policy variance")
-    ax_r.semilogy(Ts[1:], [excess[-1] * (1 + chi2_tok) ** (T - Ts[-1]) for T in Ts[1:]], "k--",
-                  label="∝ (1 + χ²_tok)^T")
-    ax_r.set_xlabel("response length T")
-    ax_r.set_ylabel("variance ratio")
-    ax_r.set_title("the excess of sequence IS grows like (1 + χ²_tok)^T")
-    ax_r.legend()
-    fig.tight_layout()
-    return fig
-
-
-def plot_gap_orders(path: Sequence, path_kl: Sequence[float], kl_bound: Sequence[float], anchor):
-    """The gap and gradient error against the step (with slopes 2 and 1), and the gap against KL.
-
-    Parameters
-    ----------
-    path : sequence of FirstOrderPoint
-        What ``first_order_path`` returns.
-    path_kl : sequence of float
-        ``KL(π_θ ‖ π_old)`` at each step.
-    kl_bound : sequence of float
-        The Pinsker form of the bound at each step.
-    anchor : FirstOrderPoint
-        The point the reference slopes pass through.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    fig, (ax_s, ax_k) = plt.subplots(1, 2, figsize=(12, 4.4))
-    s_arr = [p.step for p in path]
-    ax_s.loglog(s_arr, [abs(p.gap) for p in path], "o-", color="C3", label="|J − L| (gap)")
-    ax_s.loglog(s_arr, [p.bound for p in path], ":", color="C3",
-                label="trust-region bound 2εα²L(L−1)")
-    ax_s.loglog(s_arr, [p.gradient_error for p in path], "s-", color="C0", label="||∇L − ∇J||")
-    ax_s.loglog(s_arr, [abs(anchor.gap) * (s / anchor.step) ** 2 for s in s_arr], "k--", lw=0.8,
-                label="slope 2")
-    ax_s.loglog(s_arr, [anchor.gradient_error * (s / anchor.step) for s in s_arr], "k-.", lw=0.8,
-                label="slope 1")
-    ax_s.set_xlabel("step s along ∇J(θ_old)")
-    ax_s.set_ylabel("size")
-    ax_s.legend(fontsize=8)
-    ax_s.set_title("second-order gap, first-order gradient error")
-    ax_k.loglog(path_kl, [abs(p.gap) for p in path], "o-", color="C3", label="|J − L|")
-    ax_k.loglog(path_kl, [p.bound for p in path], ":", color="C3", label="2εα²L(L−1)")
-    ax_k.loglog(path_kl, kl_bound, "--", color="C1", label="ε L(L−1) max_s KL_s  (Pinsker)")
-    ax_k.set_xlabel("KL(π_θ ‖ π_old) of whole responses")
-    ax_k.set_ylabel("|J − L| and its bounds")
-    ax_k.legend(fontsize=8)
-    ax_k.set_title("the gap is first order in the KL")
-    fig.tight_layout()
-    return fig
-
-
-def plot_ppo(ppo: dict, distances: Sequence[float], epsilons: Sequence[float]):
-    """PPO's cosine with ``∇J`` and its clip fraction against the stale distance.
-
-    Parameters
-    ----------
-    ppo : dict
-        As for :func:`ppo_table`; ``ε = inf`` is token IS (a dashed line, no clip fraction).
-    distances : sequence of float
-        The stale distances (x axis).
-    epsilons : sequence of float
-        The clip ranges, ``math.inf`` included where token IS is wanted.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    fig, (ax_c, ax_f) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for eps in epsilons:
-        label = "token IS (ε = ∞)" if eps == math.inf else f"PPO ε = {eps}"
-        style = "k--" if eps == math.inf else "o-"
-        ax_c.plot(distances, [ppo[d, eps]["m"].cosine for d in distances], style, label=label)
-        if eps != math.inf:
-            ax_f.plot(distances, [ppo[d, eps]["clip"] for d in distances], "o-", label=label)
-    ax_c.axhline(0, color="0.8", lw=0.8)
-    ax_c.set_xlabel("stale distance d")
-    ax_c.set_title("PPO's expected gradient against ∇J")
-    ax_c.set_ylabel("cos(E[ĝ], ∇J)")
-    ax_c.legend(fontsize=8)
-    ax_f.set_xlabel("stale distance d")
-    ax_f.set_ylabel("exact clip fraction")
-    ax_f.set_title("share of tokens PPO clips")
-    ax_f.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def plot_cap_tradeoff(curves: dict, references: dict, caps: Sequence[float], groups: int, *,
-                      tol: float):
-    """Squared bias, variance and ``MSE_B`` against the cap, with the references as lines.
-
-    Parameters
-    ----------
-    curves : dict
-        ``family -> [moments per cap]``.
-    references : dict
-        ``name -> moments``, up to four (horizontal dotted lines).
-    caps : sequence of float
-        The caps (x axis, inverted: large caps on the left).
-    groups : int
-        ``B`` of the MSE panel.
-    tol : float
-        A reference at or below ``tol`` gets no line (an unbiased estimator on a log scale).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = [("||E ĝ − ∇J||²  (IS sequence: 0)", lambda m: float(m.bias @ m.bias)),
-              ("total variance", lambda m: m.total_variance),
-              (f"MSE of a step of B = {groups} groups", lambda m: mse(m, groups))]
-    for ax, (title, f) in zip(axes, panels):
-        for name, ms in curves.items():
-            ax.semilogy(caps, [f(m) for m in ms], "o-", label=name)
-        for (name, m), color in zip(references.items(), ["0.3", "C0", "C1", "C4"]):
-            if f(m) > tol:
-                ax.axhline(f(m), ls=":", color=color, label=name)
-        ax.set_xlabel("cap C")
-        ax.set_title(title)
-        ax.invert_xaxis()                       # from IS (large C) on the left to hard caps
-    for ax, label in zip(axes, ["squared bias", "tr Cov[ĝ]", f"MSE_{groups}"]):
-        ax.set_ylabel(label)
-    axes[0].legend(fontsize=8)
-    axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    return fig

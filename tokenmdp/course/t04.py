@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from tokenmdp.batch import TokenBatch
+from tokenmdp.course.table import Printout
 from tokenmdp.estimators import Aggregation
 from tokenmdp.exact import TokenMDP, flat_grad, sequence_probs
 
-__all__ = ["Printout", "closed_form_table", "conditional_length", "conditional_length_table",
+__all__ = ["closed_form_table", "conditional_length", "conditional_length_table",
            "cosine_table", "expected_inverse_length", "length_drift_figure", "micro_batch_table",
            "sequence_total_table", "weight_table"]
 
@@ -39,28 +40,6 @@ _SHORT = {Aggregation.TOKEN_MEAN: "tok-mean", Aggregation.SEQUENCE_MEAN_TOKEN_ME
 _STYLE = {"token-mean": ("#dd8452", "-"), "seq-mean-token-mean": ("#c44e52", "-"),
           "seq-mean-token-sum": ("#4c72b0", "-"), "constant": ("#55a868", "--"),
           "token-sum": ("#8172b3", ":")}
-
-
-class Printout:
-    """A printed table and the numbers behind it.
-
-    Parameters
-    ----------
-    text : str
-        What ``print`` shows (``str`` and ``repr``).
-    rows : list of tuple
-        One tuple per table row, the values unformatted, in the order of the printed columns.
-    """
-
-    def __init__(self, text: str, rows: list[tuple]):
-        self.text = text
-        self.rows = rows
-
-    def __str__(self) -> str:
-        return self.text
-
-    def __repr__(self) -> str:
-        return self.text
 
 
 def _modes(mapping: Mapping) -> list[Aggregation]:
