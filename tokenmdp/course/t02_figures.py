@@ -71,7 +71,7 @@ def grpo_scale_figure(p_grid: Sequence[float], curves: Mapping[int, Sequence[flo
     matplotlib.figure.Figure
     """
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    colors = plt.get_cmap("viridis")(torch.linspace(0, 0.9, len(curves)))
+    colors = plt.get_cmap("viridis")(torch.linspace(0, 0.9, len(curves)).tolist())
     for (G, values), color in zip(curves.items(), colors, strict=True):
         ax.plot(p_grid, values, color=color, label=f"G = {G}")
     ax.plot(p_grid, [1 / math.sqrt(p * (1 - p)) for p in p_grid], "k--", lw=1,
