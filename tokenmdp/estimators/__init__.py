@@ -59,7 +59,7 @@ from tokenmdp.estimators.estimator import (
     prepare,
     step_counts,
 )
-from tokenmdp.estimators.kl import KLPenalty, kl_k1, kl_k2, kl_k3
+from tokenmdp.estimators.kl import KLPenalty, kl_abs, kl_k1, kl_k2, kl_k3, kl_k3_plus
 from tokenmdp.estimators.per_decision import (
     PerDecisionRatio,
     cumulative_log_ratio,
@@ -124,4 +124,6 @@ __all__ = [
     "DPPO", "GMPO", "SAPO", "EntropyBonus", "OffPolicySequenceMask", "PerDecisionRatio",
     "cumulative_log_ratio", "dppo_keep_mask", "dppo_term", "entropy_bonus_term", "gmpo_term",
     "off_policy_sequence_keep_mask", "per_decision_term", "sapo_term",
+    # issue 15 KL estimators
+    "kl_abs", "kl_k3_plus",
 ]

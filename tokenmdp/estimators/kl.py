@@ -1,4 +1,5 @@
-"""KL regularization to a reference policy: the estimators k1, k2, k3 and where they are placed.
+"""KL regularization to a reference policy: the estimators k1, k2, k3 (and k3+, abs) and where
+they are placed.
 
 Per token, with ``log r = log π_ref - log π_θ`` (Schulman 2020, "Approximating KL divergence",
 http://joschu.net/blog/kl-approx.html): ``k1 = -log r``, ``k2 = ½ (log r)²``,
@@ -11,6 +12,10 @@ http://joschu.net/blog/kl-approx.html): ``k1 = -log r``, ``k2 = ½ (log r)²``,
 * k2 in the loss: ``E_π[log(π/π_ref) ∇log π]``, the reverse-KL gradient per state;
 * k3 in the loss (GRPO's default, arXiv 2402.03300 Eq. 4): ``-E_π[(π_ref/π) ∇log π] =
   ∇ KL(π_ref ‖ π)``, the *forward*-KL gradient per state.
+
+Two more from verl's ``kl_penalty`` modes: ``k3+`` (the value of k3, the gradient of k2: in
+the loss, the reverse-KL gradient of k2 with k3's nonnegative, low-variance value) and ``abs``
+(``|log r|``).
 
 Off-policy samples need the detached weight ``π_θ/μ`` on loss-placed terms
 (``importance_weighted=True``).
@@ -33,7 +38,7 @@ from tokenmdp.estimators._common import (
     with_derivative,
 )
 
-__all__ = ["KLPenalty", "kl_k1", "kl_k2", "kl_k3"]
+__all__ = ["KLPenalty", "kl_abs", "kl_k1", "kl_k2", "kl_k3", "kl_k3_plus"]
 
 
 def kl_k1(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Tensor:
@@ -102,6 +107,60 @@ def kl_k3(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Ten
         value = r_minus_1.sub_(log_r)
     return with_derivative(logprobs_RC, value, derivative)
 
+def kl_k3_plus(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Tensor:
+    """Straight-through ``k3+``: the value of k3, the gradient of k2 (verl ``kl_penalty="k3+"``).
+
+    Value ``k3 = (r - 1) - log r`` exactly as :func:`kl_k3` (``r = π_ref/π_θ``, held at
+    ``e^20``); derivative that of ``k2 = ½ (log r)²``, ``∂k/∂log π_θ = -log r =
+    log π_θ - log π_ref``. In the loss the gradient is therefore k2's, ``E_π[log(π/π_ref)
+    ∇log π]``, the reverse-KL gradient per state (Schulman 2020,
+    http://joschu.net/blog/kl-approx.html, for k2 and k3; verl's ``kl_penalty`` modes
+    ``low_var_kl``/``k3`` and their straight-through ``+`` suffix, with k2 behind it). The
+    derivative is attached by ``with_derivative``.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable).
+    ref_logprobs_RC : Tensor ``[R, C]``
+        ``log π_ref`` of each token.
+
+    Returns
+    -------
+    Tensor ``[R, C]``
+        ``k3 >= 0`` of each token, carrying k2's gradient.
+    """
+    with torch.no_grad():
+        value = kl_k3(logprobs_RC.detach(), ref_logprobs_RC)
+        derivative = logprobs_RC.detach() - ref_logprobs_RC
+    return with_derivative(logprobs_RC, value, derivative)
+
+
+def kl_abs(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Tensor:
+    """``|log r| = |log π_θ - log π_ref|`` (verl ``kl_penalty="abs"``).
+
+    A symmetric penalty, not an unbiased KL estimate (``E_π|log r| >= KL(π_θ ‖ π_ref)``).
+    Derivative ``∂k/∂log π_θ = sign(log π_θ - log π_ref)``, ``0`` where the two are equal,
+    attached by ``with_derivative``.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable).
+    ref_logprobs_RC : Tensor ``[R, C]``
+        ``log π_ref`` of each token.
+
+    Returns
+    -------
+    Tensor ``[R, C]``
+        ``|log r| >= 0`` of each token.
+    """
+    with torch.no_grad():
+        minus_log_r = logprobs_RC.detach() - ref_logprobs_RC
+        derivative = torch.sign(minus_log_r)
+        value = minus_log_r.abs()
+    return with_derivative(logprobs_RC, value, derivative)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KLPenalty:
@@ -117,8 +176,8 @@ class KLPenalty:
         True: ``R_i ← R_i - β Σ_t k_t`` before advantages, with ``k`` at ``π_old`` (detached
         data); False: ``β k_t`` is subtracted from each token's term in the loss.
     estimator : callable, default :func:`kl_k3`
-        ``k(logprobs_RC, ref_logprobs_RC) -> [R, C]``: :func:`kl_k1`, :func:`kl_k2` or
-        :func:`kl_k3`.
+        ``k(logprobs_RC, ref_logprobs_RC) -> [R, C]``: :func:`kl_k1`, :func:`kl_k2`,
+        :func:`kl_k3`, :func:`kl_k3_plus` or :func:`kl_abs`.
     importance_weighted : bool, default False
         Loss placement only: multiply each ``k_t`` by ``sg(π_θ/μ)`` (needs
         ``behavior_logprob``).
@@ -201,9 +260,10 @@ class KLPenalty:
         Returns
         -------
         str
-            For example ``"k3 in loss, coef=0.04"``.
+            For example ``"k3 in loss, coef=0.04"`` (``"k3+"`` for :func:`kl_k3_plus`).
         """
         name = getattr(self.estimator, "__name__", repr(self.estimator)).removeprefix("kl_")
+        name = name.removesuffix("_plus") + "+" if name.endswith("_plus") else name
         place = "reward" if self.in_reward else "loss"
         weighted = ", IS-weighted" if self.importance_weighted else ""
         return f"{name} in {place}, coef={self.coef:g}{weighted}"
