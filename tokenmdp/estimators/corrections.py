@@ -8,7 +8,7 @@ is a constant of the step (``π_old`` and ``μ`` do not depend on θ, so there i
 * none — ablation ("w/o train-infer IS");
 * IS — ``w``;
 * truncated IS (TIS, Yao et al. 2025, "Your efficient RL framework secretly brings you
-  off-policy RL training") — ``min(w, C)``;
+  off-policy RL training") — ``min(w, C)``, or ``clamp(w, F, C)`` with a floor;
 * masked IS (MIS; IcePop, arXiv 2510.18855, uses the band ``[0.5, 5]``) — ``w · 1{α <= w <= β}``.
 
 Each at one of three :class:`Level` s: per token ``w_t``; per sequence the product
@@ -31,6 +31,7 @@ from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators._common import (
     MAX_LOG_RATIO,
     capped_exp,
+    check_nonnegative,
     check_positive,
     loss_token_counts,
     require,
@@ -159,8 +160,10 @@ def importance_weight(log_w_RC: torch.Tensor, *, bound: float = MAX_LOG_RATIO) -
     return capped_exp(log_w_RC, bound=bound)
 
 
-def truncated_importance_weight(log_w_RC: torch.Tensor, *, cap: float) -> torch.Tensor:
-    """TIS: ``min(w, C)`` computed as ``exp(min(log w, log C))`` (Yao et al. 2025).
+def truncated_importance_weight(log_w_RC: torch.Tensor, *, cap: float,
+                                floor: float | None = None) -> torch.Tensor:
+    """TIS: ``min(w, C)`` computed as ``exp(min(log w, log C))`` (Yao et al. 2025); with a
+    ``floor`` ``F``, ``clamp(w, F, C) = max(F, min(w, C))``.
 
     Parameters
     ----------
@@ -168,14 +171,27 @@ def truncated_importance_weight(log_w_RC: torch.Tensor, *, cap: float) -> torch.
         ``log w`` of each token (at any :class:`Level`).
     cap : float
         ``C > 0``.
+    floor : float, optional
+        ``0 <= F < C``; None (default) or 0 is no floor.
 
     Returns
     -------
     Tensor ``[R, C]``
-        ``min(w, C)``.
+        ``min(w, C)``, or ``clamp(w, F, C)`` with a floor.
     """
     check_positive("cap", cap)
-    return log_w_RC.clamp(max=math.log(cap)).exp_()
+    _check_floor(floor, cap)
+    weight = log_w_RC.clamp(max=math.log(cap)).exp_()
+    if floor:  # F = 0 changes nothing: w >= 0 already
+        weight.clamp_(min=floor)
+    return weight
+
+
+def _check_floor(floor: float | None, cap: float) -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``floor`` unless it is None or in ``[0, cap)``."""
+    check_nonnegative("floor", floor, allow_none=True)
+    if floor is not None and not floor < cap:
+        raise ValueError(f"floor: must be < cap, got floor={floor}, cap={cap}")
 
 
 def masked_importance_weight(log_w_RC: torch.Tensor, *, low: float, high: float
@@ -284,7 +300,17 @@ class ImportanceSampling(Correction):
 
 @dataclasses.dataclass(frozen=True)
 class TruncatedIS(Correction):
-    """Multiply by ``min(w, C)`` at ``level`` (:func:`truncated_importance_weight`).
+    """Multiply by ``min(w, C)`` at ``level``, or by ``clamp(w, F, C) = max(F, min(w, C))`` with
+    a ``floor`` ``F`` (:func:`truncated_importance_weight`); detached like every correction.
+
+    TIS is Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL
+    training"). TRL's ``GRPOConfig`` applies it with ``vllm_importance_sampling_correction=True``
+    and a ``"token_truncate"`` or ``"sequence_truncate"`` ``vllm_importance_sampling_mode``,
+    clamping the ratio to ``[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]``
+    (TRL 1.x, defaults None, no floor, and 3.0; earlier releases had only the cap,
+    ``vllm_importance_sampling_cap``): ``floor`` is its ``clip_min``. A floor keeps tokens that
+    the inference engine over-sampled (``w`` small) from vanishing from the step, at a further
+    bias: such a token counts with weight ``F`` instead of ``w``.
 
     Parameters
     ----------
@@ -292,17 +318,22 @@ class TruncatedIS(Correction):
         ``C > 0`` (Yao et al. 2025 use 2; MiniRL, arXiv 2512.01374, uses 5).
     level : Level or str, default ``Level.TOKEN``
         Token, sequence or geometric-mean factor.
+    floor : float, optional
+        ``F``, finite with ``0 <= F < C``; None (default) is no floor, the plain ``min(w, C)``.
     """
 
     cap: float = 2.0
     level: Level = Level.TOKEN
+    floor: float | None = None
 
     def __post_init__(self):
         check_positive("cap", self.cap)
+        _check_floor(self.floor, self.cap)
         _coerce_level(self)
 
     def __call__(self, batch):
-        return CorrectionFactor(truncated_importance_weight(self._log_w(batch), cap=self.cap), None)
+        weight = truncated_importance_weight(self._log_w(batch), cap=self.cap, floor=self.floor)
+        return CorrectionFactor(weight, None)
 
     def describe(self) -> str:
         """Short label for tables.
@@ -310,9 +341,11 @@ class TruncatedIS(Correction):
         Returns
         -------
         str
-            For example ``"TIS C=2 (token)"``.
+            For example ``"TIS C=2 (token)"``, or ``"TIS [0.5, 2] (token)"`` with a floor.
         """
-        return f"TIS C={self.cap:g} ({self.level.value})"
+        if self.floor is None:
+            return f"TIS C={self.cap:g} ({self.level.value})"
+        return f"TIS [{self.floor:g}, {self.cap:g}] ({self.level.value})"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
