@@ -207,12 +207,32 @@ def table(rows: Sequence[Sequence], headers: Sequence[str], *, fmt: str = ".4g",
     lines = [] if title is None else [title]
     lines.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return Rendered("\n".join(lines), html_table(headers, cells, title))
+
+
+def html_table(headers: Sequence[str], cells: Sequence[Sequence[str]], title: str | None = None
+               ) -> str:
+    """An HTML ``<table>`` of already formatted cells, right-aligned, with an optional caption.
+
+    Parameters
+    ----------
+    headers : sequence of str
+        The column names.
+    cells : sequence of sequences of str
+        The formatted cells, row by row (surrounding spaces are dropped).
+    title : str, optional
+        The caption (none when empty).
+
+    Returns
+    -------
+    str
+        The table's HTML, escaped.
+    """
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f'<td style="text-align:right">{html.escape(c)}</td>'
-                                    for c in r) + "</tr>" for r in cells)
-    caption = "" if title is None else f"<caption>{html.escape(title)}</caption>"
-    return Rendered("\n".join(lines),
-                    f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+    body = "".join("<tr>" + "".join(f'<td style="text-align:right">{html.escape(c.strip())}</td>'
+                                    for c in row) + "</tr>" for row in cells)
+    caption = f"<caption>{html.escape(title)}</caption>" if title else ""
+    return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def alias_box(names: Sequence[str], *,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenmdp.notebook import Rendered
+from tokenmdp.notebook import Rendered, html_table
 
 __all__ = ["Printout", "Table"]
 
@@ -62,13 +62,8 @@ class Table(Rendered):
         lines.append(" ".join(c if c == SEPARATOR else format(c[0], f">{c[1]}")
                               for c in self.columns))
         lines += [" ".join(row).rstrip() for row in cells]
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.headers)
-        body = "".join("<tr>" + "".join(f'<td style="text-align:right">{html.escape(c.strip())}</td>'
-                                        for c in row if c != SEPARATOR) + "</tr>"
-                       for row in cells)
-        caption = f"<caption>{html.escape(title)}</caption>" if title else ""
-        super().__init__("\n".join(lines), f"<table>{caption}<thead><tr>{head}</tr></thead>"
-                                           f"<tbody>{body}</tbody></table>")
+        values = [[c for c in row if c != SEPARATOR] for row in cells]
+        super().__init__("\n".join(lines), html_table(self.headers, values, title))
 
     def _cells(self, row: tuple) -> list[str]:
         values, cells = iter(row), []

@@ -107,6 +107,7 @@ def kl_k3(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Ten
         value = r_minus_1.sub_(log_r)
     return with_derivative(logprobs_RC, value, derivative)
 
+
 def kl_k3_plus(logprobs_RC: torch.Tensor, ref_logprobs_RC: torch.Tensor) -> torch.Tensor:
     """Straight-through ``k3+``: the value of k3, the gradient of k2 (verl ``kl_penalty="k3+"``).
 
