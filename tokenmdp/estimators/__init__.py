@@ -13,8 +13,9 @@ over a :class:`~tokenmdp.batch.TokenBatch` (reading order):
 * :mod:`~tokenmdp.estimators.aggregation` — the per-token loss weights of the step;
 * :mod:`~tokenmdp.estimators.kl` — KL to a reference policy, in the reward or in the loss;
 
-then :mod:`~tokenmdp.estimators.estimator` (:func:`prepare` once per optimizer step, :func:`loss`
-per micro-batch) and :mod:`~tokenmdp.estimators.registry` (published algorithms by name)::
+then :mod:`~tokenmdp.estimators.estimator` (:func:`prepare` once per optimizer step),
+:mod:`~tokenmdp.estimators.token_loss` (:func:`loss` per micro-batch) and
+:mod:`~tokenmdp.estimators.registry` (published algorithms by name)::
 
     est = estimators.get("grpo")
     batch = estimators.prepare(batch, est)             # whole step: advantages, loss weights
@@ -54,8 +55,6 @@ from tokenmdp.estimators.estimator import (
     Estimator,
     advantage_rewards,
     counted_mask,
-    loss,
-    per_micro_batch_token_mean_loss,
     prepare,
     step_counts,
 )
@@ -98,6 +97,7 @@ from tokenmdp.estimators.surrogates import (
     reinforce_term,
     token_ratio_term,
 )
+from tokenmdp.estimators.token_loss import loss, per_micro_batch_token_mean_loss
 from tokenmdp.estimators.trust_region_masks import (
     DPPO,
     OffPolicySequenceMask,

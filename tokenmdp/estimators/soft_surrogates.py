@@ -242,6 +242,10 @@ class EntropyBonus(Surrogate):
         """The base surrogate's fields."""
         return self.base.requires
 
+    def prepare_step(self, batch, step):  # numpydoc ignore=PR01,RT01
+        """The base surrogate's step-wide preparation."""
+        return self.base.prepare_step(batch, step)
+
     def __call__(self, logprobs_RC, batch):
         terms = self.base(logprobs_RC, batch)
         old = self._old(batch) if "old_logprob" in self.base.requires else None

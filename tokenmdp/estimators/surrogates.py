@@ -283,6 +283,30 @@ class Surrogate:
         """Short label for tables."""
         raise NotImplementedError
 
+    def prepare_step(self, batch: TokenBatch, step: torch.Tensor | None) -> TokenBatch:
+        """Step-wide preparation, called once by :func:`~tokenmdp.estimators.prepare` after
+        ``advantage`` and ``loss_weight`` are filled; the default returns ``batch`` unchanged.
+
+        A part whose loss needs a statistic of the whole optimizer step (a selection of tokens,
+        a self-normalizing sum) computes it here from the detached fields (``old_logprob``,
+        ``behavior_logprob``, ``advantage``, ``loss_weight``) and stores it in ``loss_weight`` or
+        ``token_extras``, so that :func:`~tokenmdp.estimators.loss` on any micro-batch reads it.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            The batch of the step(s), ``advantage`` and ``loss_weight`` filled.
+        step : LongTensor ``[S]`` or None
+            The optimizer-step id of each sequence when several steps are stacked (statistics
+            must then be each step's own), None for one step.
+
+        Returns
+        -------
+        TokenBatch
+            ``batch``, or a copy with the part's step-wide quantities.
+        """
+        return batch
+
     def _old(self, batch: TokenBatch) -> torch.Tensor:
         return require(batch, "old_logprob", f"surrogate {self.describe()}")
 

@@ -242,6 +242,10 @@ class OffPolicySequenceMask(Surrogate):
         field = "behavior_logprob" if self.against == "behavior" else "old_logprob"
         return tuple(dict.fromkeys((*self.base.requires, field)))
 
+    def prepare_step(self, batch, step):  # numpydoc ignore=PR01,RT01
+        """The base surrogate's step-wide preparation."""
+        return self.base.prepare_step(batch, step)
+
     def __call__(self, logprobs_RC, batch):
         field = "behavior_logprob" if self.against == "behavior" else "old_logprob"
         sampling = require(batch, field, f"surrogate {self.describe()}")

@@ -1,0 +1,173 @@
+"""``loss`` per micro-batch: the weighted per-token loss of a prepared batch, and its metrics.
+
+:func:`loss` runs on any micro-batch, on any rank: it reads ``advantage`` and ``loss_weight``
+(filled once per step by :func:`~tokenmdp.estimators.estimator.prepare`) and never recomputes
+them, so the micro-batch losses sum to the full-step loss::
+
+    loss = -Σ_{loss tokens} loss_weight · (c · surrogate - β k)
+
+(``c`` the detached correction factor ``π_old/μ``, ``β k`` a KL-in-loss penalty).
+:func:`per_micro_batch_token_mean_loss` is the counter-example that renormalizes per micro-batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmdp.batch import TokenBatch
+from tokenmdp.estimators._common import MAX_LOG_RATIO, check_like_tokens
+from tokenmdp.estimators.aggregation import Aggregation, loss_weights
+from tokenmdp.estimators.corrections import Level
+from tokenmdp.estimators.estimator import Estimator, resolve
+from tokenmdp.estimators.weight_diagnostics import correction_diagnostics
+
+__all__ = ["loss", "per_micro_batch_token_mean_loss"]
+
+
+def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator
+         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``loss = -Σ_{loss tokens} loss_weight · (c · surrogate - β k)`` and metrics.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token given its prefix (differentiable), aligned with
+        ``batch.tokens``; values off ``loss_mask`` are ignored (replaced by 0 before use).
+    batch : TokenBatch
+        A prepared batch (:func:`prepare`) or a part of one; ``advantage`` and ``loss_weight``
+        are read as they are.
+    estimator : Estimator
+
+    Returns
+    -------
+    loss : scalar tensor
+    metrics : dict of detached scalar tensors, computed under ``no_grad``
+        ``tokens`` (loss tokens of this batch); ``clip_fraction`` (where the surrogate's clip or
+        mask was active) and ``masked_fraction`` (rejected by masked IS); when ``old_logprob`` is
+        present ``r_min/r_mean/r_max`` (``r = π_θ/π_old``), when ``behavior_logprob`` is present
+        ``rho_min/rho_mean/rho_max`` (``ρ = π_θ/μ``), with both ``train_infer_kl_k1/k3``
+        (``KL(μ ‖ π_old)`` per token, k1 and k3 forms) and ``is_ess``/``is_chi2`` (the
+        normalized effective sample size and χ² estimate of the token weights ``π_old/μ``;
+        ``is_seq_ess``/``is_seq_chi2`` of the sequence weights too when the correction acts per
+        sequence or geometric mean; :mod:`~tokenmdp.estimators.weight_diagnostics`), and with
+        a KL-in-loss penalty ``kl_ref`` (mean of its estimator ``k(π_θ, π_ref)``). Over zero
+        loss tokens fractions, KLs and χ² are 0 and ratio statistics and ESS 1 (neutral
+        values, no NaN); an empty batch (no sequences) gives loss 0, these neutral metrics and
+        a zero gradient.
+
+    ``estimator`` may also be a registry name (``"grpo"``). Half-precision batches are refused
+    (``TypeError``): the ratio cap ``e^20`` and the metrics overflow in float16.
+    """
+    estimator = resolve(estimator)
+    estimator._check(batch, "loss")
+    check_like_tokens("logprobs_RC", logprobs_RC, batch.advantage)
+    mask = batch.loss_mask
+    logprobs_RC = torch.where(mask, logprobs_RC, 0.0)
+    terms = estimator.surrogate(logprobs_RC, batch)
+    factor = estimator.correction(batch)
+    # Detached per-token weights, 0 off the loss tokens: loss_weight, times the correction factor
+    # for the surrogate. Folding the constant factor into the weight keeps it off the autograd
+    # graph; the terms are finite off the loss tokens (log-probs 0 there, ratios capped), so
+    # their zero weight removes them.
+    weight_RC = torch.where(mask, batch.loss_weight, 0.0)
+    surrogate_weight_RC = weight_RC if factor.factor_RC is None else weight_RC * factor.factor_RC
+    total = -_weighted_sum(surrogate_weight_RC, terms.term_RC)
+    k_RC = None
+    if estimator.kl is not None and not estimator.kl.in_reward:
+        k_RC, is_weight_RC = estimator.kl.loss_penalty(logprobs_RC, batch)
+        kl_weight_RC = weight_RC if is_weight_RC is None else weight_RC * is_weight_RC
+        total = total + estimator.kl.coef * _weighted_sum(kl_weight_RC, k_RC)
+    if logprobs_RC.requires_grad and not total.requires_grad:  # an empty batch: a zero
+        total = total + logprobs_RC.sum()                      # gradient, not a graph error
+    with torch.no_grad():
+        metrics = _metrics(logprobs_RC, batch, terms, factor.keep_RC, k_RC)
+        if batch.old_logprob is not None and batch.behavior_logprob is not None:
+            level = getattr(estimator.correction, "level", Level.TOKEN)
+            metrics.update(correction_diagnostics(batch, sequence=level is not Level.TOKEN))
+    return total, metrics
+
+
+def _weighted_sum(weight_RC: torch.Tensor, values_RC: torch.Tensor) -> torch.Tensor:
+    """``Σ weight · values`` as one dot product: no ``[R, C]`` temporary, and a backward pass of
+    one product (``weight`` is detached)."""
+    return torch.dot(weight_RC.reshape(-1), values_RC.reshape(-1))
+
+
+def _metrics(logprobs_RC, batch, terms, keep_RC, k_RC) -> dict[str, torch.Tensor]:
+    """The diagnostics of :func:`loss` (under ``no_grad``). Sums over the loss tokens are dot
+    products with the 0/1 mask (every tensor summed is finite off the loss tokens) and
+    temporaries are updated in place: on a large step these passes are bound by memory."""
+    mask = batch.loss_mask
+    mask_f = mask.to(batch.dtype)
+    count = mask_f.sum()
+    has = count > 0
+    denominator = count.clamp(min=1)
+
+    def mean(values_RC, empty: float):
+        return torch.where(has, _weighted_sum(mask_f, values_RC) / denominator, empty)
+
+    out = {"tokens": count}
+    zero = count.new_zeros(())
+    clipped_RC = terms.clipped_RC
+    out["clip_fraction"] = zero if clipped_RC is None else (clipped_RC & mask).sum() / denominator
+    out["masked_fraction"] = zero if keep_RC is None else (mask & ~keep_RC).sum() / denominator
+    # Off the loss tokens, ratios are filled with the value at the first loss token (one of the
+    # values over the loss tokens), so one aminmax gives their min and max.
+    ratios = [(key, ref) for key, ref in (("r", batch.old_logprob), ("rho", batch.behavior_logprob))
+              if ref is not None]
+    if ratios and mask.numel() == 0:  # an empty batch: neutral ratio statistics
+        one = count.new_ones(())
+        for key, _ in ratios:
+            out.update({f"{key}_min": one, f"{key}_mean": one, f"{key}_max": one})
+        ratios = []
+    if ratios:
+        off = ~mask
+        first = mask.reshape(-1).to(torch.uint8).argmax()
+    for key, ref in ratios:
+        if key == "r" and terms.ratio_RC is not None:
+            ratio = terms.ratio_RC.clone()  # the surrogate's capped r
+        else:
+            ratio = (logprobs_RC - ref).clamp_(max=MAX_LOG_RATIO).exp_()
+        ratio.masked_fill_(off, ratio.reshape(-1)[first])
+        lo, hi = torch.aminmax(ratio)
+        out[f"{key}_min"] = torch.where(has, lo, 1.0)
+        out[f"{key}_mean"] = mean(ratio, 1.0)
+        out[f"{key}_max"] = torch.where(has, hi, 1.0)
+    if batch.old_logprob is not None and batch.behavior_logprob is not None:
+        log_q = batch.old_logprob - batch.behavior_logprob  # log(π_old/μ), tokens drawn from μ
+        out["train_infer_kl_k1"] = 0.0 - mean(log_q, 0.0)
+        k3 = log_q.clamp(max=MAX_LOG_RATIO).expm1_().sub_(log_q)  # expm1: k3 >= 0 near r = 1
+        out["train_infer_kl_k3"] = mean(k3, 0.0)
+    if k_RC is not None:  # the estimate k of KL(π_θ ‖ π_ref) of a KL-in-loss penalty
+        out["kl_ref"] = mean(k_RC, 0.0)
+    return out
+
+
+def per_micro_batch_token_mean_loss(logprobs_RC: torch.Tensor, batch: TokenBatch,
+                                    estimator: Estimator
+                                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """COUNTER-EXAMPLE, do not train with it: :func:`loss` with token-mean weights recomputed from
+    this micro-batch's own token count, ignoring ``batch.loss_weight``.
+
+    This is the per-micro-batch normalization many frameworks shipped (TRL's ``bnpo``; gradient
+    accumulation over micro-batch means): the estimator then depends on how the step is split, so
+    it fails the layout and micro-batch invariance checks that :func:`loss` passes.
+
+    Parameters
+    ----------
+    logprobs_RC : Tensor ``[R, C]``
+        ``log π_θ`` of each token (differentiable), as for :func:`loss`.
+    batch : TokenBatch
+        A prepared micro-batch; its ``loss_weight`` is replaced.
+    estimator : Estimator or str
+        The estimator, or a registry name; its aggregation is ignored.
+
+    Returns
+    -------
+    loss : scalar tensor
+        The micro-batch token-mean loss.
+    metrics : dict of detached scalar tensors
+        As :func:`loss` returns them.
+    """
+    own = loss_weights(batch, Aggregation.TOKEN_MEAN)
+    return loss(logprobs_RC, batch.replace(loss_weight=own), estimator)
