@@ -43,6 +43,7 @@ from tokenmdp.exact.policies import (
     check_policy,
 )
 from tokenmdp.exact.sampling import sample
+from tokenmdp.exact.training import ExactTrainingRun, train_exact  # noqa: F401  (own API page)
 
 __all__ = [
     "TokenMDP", "rewards", "PrefixPolicy", "TabularPolicy", "LogLinearPolicy", "NeuralPolicy",
