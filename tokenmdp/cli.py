@@ -10,7 +10,10 @@ Subcommands:
 * ``tokenmdp exact`` — build a small token MDP and a policy, print the exact ``J`` and ``∇J``;
 * ``tokenmdp sft`` / ``tokenmdp train`` — the trainer (:mod:`tokenmdp.rl.trainer`), options generated
   from :class:`tokenmdp.rl.config.TrainConfig`;
-* ``tokenmdp plot`` — training curves of runs from their ``metrics.jsonl`` (:mod:`tokenmdp.rl.plot`).
+* ``tokenmdp plot`` — training curves of runs from their ``metrics.jsonl`` (:mod:`tokenmdp.rl.plot`);
+* ``tokenmdp tutorials`` — the tutorials and their exercises; ``tokenmdp tutorials --student
+  OUT_DIR`` — their student editions (solutions stubbed, checks kept) beside the full ones
+  (:mod:`tokenmdp.student_editions`).
 """
 
 from __future__ import annotations
@@ -225,6 +228,29 @@ def cmd_estimators(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tutorials(args: argparse.Namespace) -> int:
+    """List the tutorials, or write their student editions (solutions stubbed) and full ones."""
+    from tokenmdp.student_editions import find_tutorials, write_editions
+
+    if args.student is None:
+        if args.overwrite or args.ipynb:
+            raise ValueError("--overwrite, --ipynb: only with --student OUT_DIR")
+        for path in find_tutorials(args.source):
+            text = path.read_text(encoding="utf-8")
+            title = next((line[2:].strip() for line in text.splitlines()
+                          if line.startswith("# # Tutorial")), path.stem)
+            exercises = sum(line.strip() == "# Check" for line in text.splitlines())
+            print(f"{path.name:<60} {title} ({exercises} exercises)")
+        return 0
+    written = write_editions(args.student, source=args.source, overwrite=args.overwrite,
+                             ipynb=args.ipynb)
+    out = Path(args.student)
+    students = sum(p.parent.name == "student" for p in written)
+    print(f"wrote {students} student-edition files to {out / 'student'} and "
+          f"{len(written) - students} full-edition files to {out / 'full'}")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The ``tokenmdp`` argument parser, with one subparser per command.
 
@@ -273,6 +299,21 @@ def make_parser() -> argparse.ArgumentParser:
     add_mdp_arguments(p)
     p.add_argument("--show", type=int, default=8, help="number of gradient entries to print")
     p.set_defaults(func=cmd_exact)
+    p = sub.add_parser("tutorials", help=cmd_tutorials.__doc__,
+                       description=cmd_tutorials.__doc__ + " A student edition keeps every cell "
+                       "but the '# Solution' cells, whose code becomes one NaN answer per checked "
+                       "variable: each '# Check' cell then fails with its hint until the student "
+                       "solves the exercise.", formatter_class=shown)
+    p.add_argument("--student", metavar="OUT_DIR", default=None,
+                   help="write OUT_DIR/student/NN_*.py (solutions stubbed) and OUT_DIR/full/NN_*.py "
+                        "(the tutorials as they are)")
+    p.add_argument("--source", default=None,
+                   help="the tutorials' folder (default: tutorials/ of this checkout)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty OUT_DIR, replacing files of the same names")
+    p.add_argument("--ipynb", action="store_true",
+                   help="also write each edition as an .ipynb notebook (needs jupytext)")
+    p.set_defaults(func=cmd_tutorials)
     from tokenmdp.rl.cli_commands import add_plot_command, add_trainer_commands
 
     add_trainer_commands(sub)
