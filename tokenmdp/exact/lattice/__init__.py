@@ -1,0 +1,51 @@
+"""Exact at long lengths: a finite-state token MDP whose reward is computed by an automaton.
+
+Responses are paths through a lattice of ``T × K`` nodes (position, automaton state), so the
+ground truth and the moments of token-level estimators are forward/backward recursions in
+``O(T·K·V)`` instead of sums over ``V^T`` responses (docs: Concepts › Long responses):
+
+* :mod:`~tokenmdp.exact.lattice.automaton` — reward automata (exact match, token counts,
+  "a pattern appeared");
+* :mod:`~tokenmdp.exact.lattice.mdp` — :class:`LatticeMDP` and its enumerable twin
+  (:func:`to_token_mdp`);
+* :mod:`~tokenmdp.exact.lattice.policy` and :mod:`~tokenmdp.exact.lattice.behavior` — policies
+  tabular over ``(t, z)``, stale and engine-like copies;
+* :mod:`~tokenmdp.exact.lattice.ground_truth` — ``J``, ``∇J``, values, visitation, KL, χ²,
+  entropy, the trust-region surrogate and bound;
+* :mod:`~tokenmdp.exact.lattice.moments` — exact mean and variance of token-level estimators
+  (Monte Carlo on the lattice where not exact).
+"""
+
+from tokenmdp.exact.lattice.automaton import (
+    RewardAutomaton,
+    exact_match,
+    pattern_appeared,
+    token_count,
+)
+from tokenmdp.exact.lattice.behavior import inference_copy, stale_copy
+from tokenmdp.exact.lattice.ground_truth import (
+    LatticeValues,
+    chi_square,
+    entropy,
+    expected_length,
+    gradient,
+    log_second_moment,
+    max_node_tv,
+    objective,
+    sequence_kl,
+    surrogate,
+    transition_matrices,
+    trust_region_bound,
+    values,
+    visitation,
+)
+from tokenmdp.exact.lattice.mdp import LatticeMDP, to_token_mdp
+from tokenmdp.exact.lattice.policy import LatticePolicy, as_prefix_policy, check_lattice_policy
+
+__all__ = [
+    "RewardAutomaton", "exact_match", "token_count", "pattern_appeared", "LatticeMDP",
+    "to_token_mdp", "LatticePolicy", "check_lattice_policy", "as_prefix_policy", "stale_copy",
+    "inference_copy", "transition_matrices", "visitation", "expected_length", "objective",
+    "gradient", "values", "LatticeValues", "entropy", "sequence_kl", "log_second_moment",
+    "chi_square", "surrogate", "max_node_tv", "trust_region_bound",
+]

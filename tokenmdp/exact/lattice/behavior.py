@@ -1,0 +1,112 @@
+"""Behaviour policies on the lattice: staleness and training–inference discrepancy.
+
+As :mod:`tokenmdp.exact.behavior` builds them for the enumerable MDP: :func:`stale_copy`
+(``π_old``: the logits moved back along a direction or by exact gradient steps) and
+:func:`inference_copy` (``μ``: the same logits rounded to a low-precision grid, perturbed by a
+fixed noise, tempered). Both return :class:`~tokenmdp.exact.lattice.LatticePolicy` objects.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmdp.exact.behavior import round_logits
+from tokenmdp.exact.lattice.ground_truth import gradient
+from tokenmdp.exact.lattice.mdp import LatticeMDP
+from tokenmdp.exact.lattice.policy import LatticePolicy, check_lattice_policy
+from tokenmdp.exact.policies import check_number
+
+__all__ = ["stale_copy", "inference_copy"]
+
+
+def stale_copy(mdp: LatticeMDP, policy: LatticePolicy, *, direction: torch.Tensor | None = None,
+               distance: float | None = None, steps: int | None = None,
+               lr: float | None = None) -> LatticePolicy:
+    """``π_old``: a copy with its logits moved back (as :func:`tokenmdp.exact.stale_copy`).
+
+    Give either ``distance`` (``θ_old = θ − distance · u/‖u‖``, ``u = direction``, default
+    ``∇J(θ)``) or ``steps`` and ``lr`` (``k`` exact gradient-descent steps on ``J``).
+
+    Parameters
+    ----------
+    mdp : LatticeMDP
+        The lattice (``∇J`` is computed on it).
+    policy : LatticePolicy
+        The current policy ``π_θ``.
+    direction : Tensor, optional
+        ``u``, flat ``[T·K·V]`` or ``[T, K, V]`` (with ``distance`` only).
+    distance : float, optional
+        ``‖θ − θ_old‖ >= 0``.
+    steps : int, optional
+        Gradient-descent steps ``>= 0``.
+    lr : float, optional
+        Their learning rate ``> 0``.
+
+    Returns
+    -------
+    LatticePolicy
+        The moved copy; ``policy`` is unchanged.
+    """
+    check_lattice_policy(mdp, policy)
+    if (distance is None) == (steps is None):
+        raise ValueError("distance, steps: give exactly one of them")
+    theta = policy.logits.detach().reshape(-1)
+    if distance is not None:
+        distance = check_number("distance", distance)
+        u = gradient(mdp, policy) if direction is None else torch.as_tensor(
+            direction, dtype=torch.float64).reshape(-1)
+        if u.shape != theta.shape:
+            raise ValueError(f"direction: expected {theta.numel()} entries, got {u.numel()}")
+        norm = u.norm()
+        if distance > 0 and not norm > 0:
+            raise ValueError("direction: has zero norm")
+        step = u / norm * distance if distance > 0 else torch.zeros_like(theta)
+        return LatticePolicy(mdp, logits=(theta - step).view(mdp.shape))
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps: expected an int >= 0, got {steps!r}")
+    if lr is None:
+        raise ValueError("lr: a positive learning rate is required with steps")
+    lr = check_number("lr", lr, strict=True)
+    old = LatticePolicy(mdp, logits=policy.logits.detach())
+    for _ in range(steps):
+        g = gradient(mdp, old)
+        old = LatticePolicy(mdp, logits=(old.logits.detach().reshape(-1) - lr * g).view(mdp.shape))
+    return old
+
+
+def inference_copy(policy: LatticePolicy, *, rounding: str | int | None = None,
+                   noise_std: float = 0.0, temperature: float = 1.0,
+                   generator: torch.Generator | None = None) -> LatticePolicy:
+    """``μ``: the same logits through an engine's numerics, frozen (as
+    :class:`tokenmdp.exact.InferencePolicy`): ``round(logits + noise) / temperature``.
+
+    Parameters
+    ----------
+    policy : LatticePolicy
+        The policy whose logits are copied.
+    rounding : {None, "bf16", "fp16", "fp8_e4m3"} or int
+        See :func:`tokenmdp.exact.round_logits`.
+    noise_std : float, default 0
+        Standard deviation of a fixed Gaussian logit perturbation (drawn once per entry).
+    temperature : float, default 1
+        Sampling temperature ``> 0``.
+    generator : torch.Generator, optional
+        Needed when ``noise_std > 0``.
+
+    Returns
+    -------
+    LatticePolicy
+        A new policy with ``requires_grad`` off.
+    """
+    if not isinstance(policy, LatticePolicy):
+        raise TypeError(f"policy: expected a LatticePolicy, got {type(policy).__name__}")
+    noise_std = check_number("noise_std", noise_std)
+    temperature = check_number("temperature", temperature, strict=True)
+    logits = policy.logits.detach()
+    if noise_std > 0:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError("generator: a torch.Generator is required when noise_std > 0")
+        logits = logits + torch.randn(logits.shape, generator=generator,
+                                      dtype=torch.float64) * noise_std
+    mu = LatticePolicy(policy.mdp, logits=round_logits(logits, rounding) / temperature)
+    return mu.requires_grad_(False)
