@@ -158,10 +158,16 @@ def _counts_batch() -> TokenBatch:
 
 def test_counts_without_a_process_group_match_the_estimators_count_step():
     batch = _counts_batch()
-    # A sequence without loss tokens is not in a sequence-mean: S = 2, not 3.
-    assert global_counts(batch) == est_lib.count_step(batch) == (3, 2)
+    # By default S counts every sampled sequence (3); counting only the sequences with a loss
+    # token, the empty response is not in a sequence-mean: S = 2.
+    assert global_counts(batch) == est_lib.count_step(batch) == (3, 3)
+    with_tokens = "with-loss-tokens"
+    assert global_counts(batch, sequences=with_tokens) == \
+        est_lib.count_step(batch, sequences=with_tokens) == (3, 2)
     only_first = batch.loss_mask & (batch.sequence_id == 0)
-    assert global_counts(batch, mask=only_first) == est_lib.count_step(batch, only_first) == (2, 1)
+    assert global_counts(batch, mask=only_first, sequences=with_tokens) == \
+        est_lib.count_step(batch, only_first, sequences=with_tokens) == (2, 1)
+    assert global_counts(batch, mask=only_first) == est_lib.count_step(batch, only_first) == (2, 3)
     assert all_reduce_counts((5, 4)) == (5, 4)
     assert data_parallel_loss_scale() == 1
 

@@ -34,7 +34,7 @@ __all__ = ["StepCounts", "all_gather_objects", "all_reduce_counts", "all_reduce_
 
 
 class StepCounts(NamedTuple):
-    """Counts of a whole optimizer step: loss tokens, and sequences with at least one of them.
+    """Counts of a whole optimizer step: loss tokens, and the sequences ``S`` counts.
 
     These are ``N_tokens`` and ``S`` of the aggregation table (docs: Concepts › Aggregation),
     the ``num_tokens`` and ``num_sequences`` arguments of ``estimators.prepare``.
@@ -44,7 +44,8 @@ class StepCounts(NamedTuple):
     num_loss_tokens : int
         Tokens of the step where the loss mask is set (``N_tokens``).
     num_sequences : int
-        Sequences of the step with at least one loss token (``S``).
+        ``S``: every sequence of the step, or (``sequences="with-loss-tokens"`` in
+        :func:`global_counts`) those with at least one loss token.
     """
 
     num_loss_tokens: int
@@ -98,12 +99,14 @@ def all_reduce_counts(counts: tuple[int, int], *, device: torch.device | str = "
 
 
 def global_counts(batch: TokenBatch, *, mask: torch.Tensor | None = None,
-                  group: dist.ProcessGroup | None = None) -> StepCounts:
+                  group: dist.ProcessGroup | None = None,
+                  sequences: str = "sampled") -> StepCounts:
     """Loss tokens and counted sequences of the step, summed over data-parallel ranks.
 
-    Counts the tokens where ``mask`` (default ``batch.loss_mask``) is set and the sequences with
-    at least one of them, exactly as ``estimators.count_step`` does (a sequence without loss
-    tokens is not in a sequence-mean), then all-reduces them (:func:`all_reduce_counts`). Call
+    Counts the tokens where ``mask`` (default ``batch.loss_mask``) is set and the sequences
+    ``S`` counts, exactly as ``estimators.count_step`` does: every sequence of the batch
+    (``sequences="sampled"``, the default and the peers' convention) or only those with at
+    least one counted token (``"with-loss-tokens"``), then all-reduces them (:func:`all_reduce_counts`). Call
     it on the rank's whole step (all its micro-batches) before computing ``loss_weight``; then
     ``1 / num_loss_tokens`` and ``1 / num_sequences`` are the same on every rank and every
     micro-batch. A collective: every rank of ``group`` must call it (with NCCL, on a GPU batch).
@@ -116,6 +119,8 @@ def global_counts(batch: TokenBatch, *, mask: torch.Tensor | None = None,
         The tokens that count, inside ``batch.loss_mask``.
     group : ProcessGroup, optional
         Default: the world.
+    sequences : {"sampled", "with-loss-tokens"}, default "sampled"
+        What ``num_sequences`` counts (the values of ``estimators.SequenceCount``).
 
     Returns
     -------
@@ -130,6 +135,11 @@ def global_counts(batch: TokenBatch, *, mask: torch.Tensor | None = None,
         raise ValueError(f"mask: expected a bool tensor of shape {tuple(batch.loss_mask.shape)}")
     elif bool((mask & ~batch.loss_mask).any()):
         raise ValueError("mask: set on tokens outside batch.loss_mask")
+    if sequences not in ("sampled", "with-loss-tokens"):
+        raise ValueError(f"sequences: expected 'sampled' or 'with-loss-tokens', got {sequences!r}")
+    if sequences == "sampled":
+        return all_reduce_counts((int(mask.sum()), batch.num_sequences), device=batch.device,
+                                 group=group)
     real = batch.sequence_id >= 0
     per_sequence = torch.zeros(batch.num_sequences, dtype=torch.long, device=batch.device)
     per_sequence.index_add_(0, batch.sequence_id[real].long(), mask[real].long())

@@ -24,7 +24,8 @@
 # and every recipe has to say what the per-token weight $w_{i,t}$ is: how the token terms of the
 # batch are *averaged*. The choice looks like bookkeeping (divide by the number of tokens? by the
 # number of sequences? by both?), and frameworks expose it as a string option. It is not
-# bookkeeping. The five rules in use differentiate different things:
+# bookkeeping. The five classic rules differentiate different things (a sixth, the prompt mean,
+# is the last row):
 #
 # | `tokenmdp.estimators.Aggregation` | weight $w_{i,t}$ | verl `loss_agg_mode` | TRL `loss_type` |
 # |---|---|---|---|
@@ -33,14 +34,18 @@
 # | `SEQUENCE_MEAN_TOKEN_SUM` | $1 / S$ | seq-mean-token-sum | — |
 # | `CONSTANT` | $1 / (S\,L_{\max})$ | seq-mean-token-sum-norm[^verl] | dr_grpo |
 # | `TOKEN_SUM` | $1$ | token-sum | — |
+# | `PROMPT_MEAN_TOKEN_MEAN` | $1 / (P\,N_{g(i)})$ | — | — (SkyRL's prompt mean) |
 #
 # ($S$ is the number of sequences of the optimizer step[^S], $\sum_j |y_j|$ its number of loss
-# tokens, $L_{\max}$ the response-length budget.) The rows come from the papers: GRPO's
-# objective (Shao et al. 2024, arXiv 2402.03300, Eq. 3) averages each response's token terms
-# with $1/|o_i|$ and the group with $1/G$, the per-sequence token mean; DAPO's "token-level
-# policy gradient loss" (Yu et al. 2025, arXiv 2503.14476) divides by $\sum_i |o_i|$, the token
-# mean; Dr. GRPO (Liu et al. 2025, arXiv 2503.20783) drops GRPO's $1/|o_i|$, the source of what
-# it calls the response-level length bias, for a constant. In this notebook we
+# tokens, $L_{\max}$ the response-length budget, or any positive constant; $N_g$ the loss tokens of
+# group $g$ (one prompt's responses) and $P$ the number of groups. With one group per step, as in
+# the exact analysis of section 3, the prompt mean *is* the token mean, so we follow the five
+# classic rules.) The rows come from the papers: GRPO's objective (Shao et al. 2024, arXiv
+# 2402.03300, Eq. 3) averages each response's token terms with $1/|o_i|$ and the group with $1/G$,
+# the per-sequence token mean; DAPO's "token-level policy gradient loss" (Yu et al. 2025, arXiv
+# 2503.14476) divides by $\sum_i |o_i|$, the token mean; Dr. GRPO (Liu et al. 2025, arXiv
+# 2503.20783) drops GRPO's $1/|o_i|$, the source of what it calls the response-level length bias,
+# for a constant. In this notebook we
 #
 # 1. print the five weight vectors side by side on one small packed batch;
 # 2. compute, **exactly**, the expected gradient of each rule on a tiny MDP where length and
@@ -55,10 +60,11 @@
 #
 # Everything is float64 on a CPU and runs in well under a minute.
 #
-# [^S]: **What $S$ counts.** Today tokenmdp counts in $S$ only the sequences that have at least one
-#     counted (loss) token; verl, TRL and the Dr. GRPO paper count every sampled sequence, also one
-#     whose tokens are all masked. The two agree whenever no sequence is entirely masked, as in
-#     every batch of this notebook.
+# [^S]: **What $S$ counts.** Every sampled sequence of the step, also one whose tokens are all
+#     masked (a truncated completion under DAPO's overlong masking), as verl (a constant global
+#     batch size), TRL (`.mean()` over completions) and the Dr. GRPO paper count it. tokenmdp's
+#     other convention, `Estimator(sequence_count=SequenceCount.WITH_LOSS_TOKENS)`, counts only
+#     the sequences with a loss token; section 2 shows both on a batch where they differ.
 #
 # [^verl]: **The scale of verl's `seq-mean-token-sum-norm`.** In the version of verl's
 #     `core_algos.agg_loss` we could read (commit `012be9d`), the mode sums the micro-batch's
@@ -92,6 +98,7 @@ from tokenmdp.estimators import (
     LeaveOneOut,
     Reinforce,
     RewardAsAdvantage,
+    SequenceCount,
     loss,
     loss_weights,
     per_micro_batch_token_mean_loss,
@@ -112,7 +119,12 @@ from tokenmdp.exact import (
 )
 from tokenmdp.exact.step_gradients import state_action_jacobian
 from tokenmdp.notebook import alias_box, show
-from tokenmdp.packing import pack_first_fit_decreasing, padded_layout, split_micro_batches
+from tokenmdp.packing import (
+    pack_first_fit_decreasing,
+    padded_layout,
+    select_sequences,
+    split_micro_batches,
+)
 
 # Tiny tensors: one thread avoids thread synchronization, which dominates on a small or busy CPU.
 torch.set_num_threads(1)
@@ -203,7 +215,8 @@ reinforce_group_mean = Estimator(surrogate=Reinforce(), advantage=GroupMean(),
 demo = pack_first_fit_decreasing(prepare(drawn, reinforce_group_mean), capacity=8)
 print(f"{demo}\n")
 
-MODES = list(Aggregation)
+MODES = [Aggregation.TOKEN_MEAN, Aggregation.SEQUENCE_MEAN_TOKEN_MEAN,   # the five classic
+         Aggregation.SEQUENCE_MEAN_TOKEN_SUM, Aggregation.CONSTANT, Aggregation.TOKEN_SUM]
 weights = {mode: loss_weights(demo, mode, max_len=L) for mode in MODES}
 print(t04.weight_table(demo, weights, eos=EOS))   # every token: its advantage, its 5 weights
 
@@ -237,6 +250,23 @@ print(t04.sequence_total_table(demo, totals, max_len=L))
 worst = max(float((totals[m] - closed_form[m]).abs().max()) for m in MODES)
 print(f"\nmax |sequence total - closed form| over all modes = {worst:.1e}")
 assert worst < EXACT_TOL
+
+# %% [markdown]
+# **What $S$ counts when a completion is fully masked.** No sequence of `demo` is, so both
+# conventions give the table above. Mask the middle one of three sequences (as overlong masking
+# does with a truncated answer) and take `CONSTANT` with $L_{\max} = 4$: counting every sampled
+# sequence (the default, and the peers'), each remaining token weighs $1/(3 \cdot 4) = 1/12$;
+# counting only sequences with a loss token it weighs $1/(2 \cdot 4) = 0.125$, so masking one
+# answer would silently rescale the others.
+
+# %%
+three = select_sequences(drawn, [0, 1, 2])
+masked = three.replace(loss_mask=three.loss_mask & (three.sequence_id != 1))
+for sequences, S_counted in ((SequenceCount.SAMPLED, 3), (SequenceCount.WITH_LOSS_TOKENS, 2)):
+    w = loss_weights(masked, Aggregation.CONSTANT, max_len=L, sequences=sequences)
+    on = w[masked.loss_mask]
+    assert float((on - 1 / (S_counted * L)).abs().max()) < EXACT_TOL
+    print(f"{sequences.value:>16}: S = {S_counted}, each loss token weighs {float(on[0]):.4f}")
 
 # %% [markdown]
 # The sums in the last line are the total weight of the step, by which the learning rate is

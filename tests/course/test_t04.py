@@ -103,10 +103,15 @@ def test_expected_inverse_length_by_enumeration():
     assert by_hand > 1 / expected_length(mdp, policy).item()
 
 
+# The tutorial's five classic rules, in its column order (the prompt mean is the token mean there).
+FIVE = [Aggregation.TOKEN_MEAN, Aggregation.SEQUENCE_MEAN_TOKEN_MEAN,
+        Aggregation.SEQUENCE_MEAN_TOKEN_SUM, Aggregation.CONSTANT, Aggregation.TOKEN_SUM]
+
+
 def test_weight_table_rows_are_the_closed_form_weights():
     mdp, policy = _world()
     batch = _demo_batch(mdp, policy)
-    weights = {m: loss_weights(batch, m, max_len=MAX_LEN) for m in Aggregation}
+    weights = {m: loss_weights(batch, m, max_len=MAX_LEN) for m in FIVE}
     table = t04.weight_table(batch, weights, eos=EOS)
     S, N = batch.num_sequences, batch.num_loss_tokens
     tokens = int((batch.sequence_id >= 0).sum())
@@ -116,7 +121,7 @@ def test_weight_table_rows_are_the_closed_form_weights():
         n_s = int((batch.loss_mask & (batch.sequence_id == s)).sum())     # this sequence's tokens
         assert length == n_s and advantage == float(batch.advantage[r, c])
         expected = [1 / N, 1 / (S * n_s), 1 / S, 1 / (S * MAX_LEN), 1.0] if counted else [0.0] * 5
-        assert [m for m in weights] == list(Aggregation)
+        assert [m for m in weights] == FIVE
         assert max(abs(a - b) for a, b in zip(w, expected)) < EXACT_TOL, (r, c)
     assert "EOS" in str(table)
 
@@ -124,16 +129,16 @@ def test_weight_table_rows_are_the_closed_form_weights():
 def test_sequence_total_table_sums_each_sequence():
     mdp, policy = _world()
     batch = _demo_batch(mdp, policy)
-    weights = {m: loss_weights(batch, m, max_len=MAX_LEN) for m in Aggregation}
-    totals = {m: batch.sequence_sum(weights[m]) for m in Aggregation}
+    weights = {m: loss_weights(batch, m, max_len=MAX_LEN) for m in FIVE}
+    totals = {m: batch.sequence_sum(weights[m]) for m in FIVE}
     table = t04.sequence_total_table(batch, totals, max_len=MAX_LEN)
     *per_sequence, last = table.rows
     assert len(per_sequence) == batch.num_sequences
     for s, length, *values in per_sequence:
         mine = batch.sequence_id == s
-        by_hand = [float(weights[m][mine].sum()) for m in Aggregation]
+        by_hand = [float(weights[m][mine].sum()) for m in FIVE]
         assert length == int((batch.loss_mask & mine).sum())
-        assert max(abs(a - b) for a, b in zip(values, by_hand)) < EXACT_TOL
+        assert max(abs(a - b) for a, b in zip(values, by_hand, strict=True)) < EXACT_TOL
     assert last[0] == "sum"
     assert abs(last[2] - 1.0) < EXACT_TOL and abs(last[6] - batch.num_loss_tokens) < EXACT_TOL
     assert str(table).startswith(f"S = {batch.num_sequences} sequences")

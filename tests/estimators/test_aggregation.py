@@ -11,6 +11,7 @@ from tokenmdp.estimators import (
     Estimator,
     GroupMean,
     PPOClip,
+    SequenceCount,
     count_step,
     loss,
     loss_weights,
@@ -21,19 +22,31 @@ from tokenmdp.estimators import (
 EXACT = 1e-12  # float64, one division per weight
 SUM = 1e-12  # float64 sums of a few dozen terms
 
-# Four sequences with 1, 3, 2 and 0 response tokens: N_tokens = 6 and S = 3 (the last sequence
-# has no loss token, so it does not count). Per loss token of sequence 0, 1, 2:
+# Four sequences (each its own group) with 1, 3, 2 and 0 response tokens: N_tokens = 6, and
+# S = 4 sampled sequences (the peers' convention, the default; the empty one counts) or S = 3
+# with SequenceCount.WITH_LOSS_TOKENS. Per loss token of sequence 0, 1, 2, with S = 4:
 #   token-mean               1/6, 1/6, 1/6
-#   seq-mean-token-mean      1/(3·1), 1/(3·3), 1/(3·2)
-#   seq-mean-token-sum       1/3 each
-#   constant (L_max = 4)     1/(3·4) each
+#   seq-mean-token-mean      1/(4·1), 1/(4·3), 1/(4·2)
+#   seq-mean-token-sum       1/4 each
+#   constant (L_max = 4)     1/(4·4) each
 #   token-sum                1 each
+#   prompt-mean-token-mean   1/(P N_g) with P = 4 groups: as seq-mean-token-mean here
 EXPECTED = {
+    Aggregation.TOKEN_MEAN: [1 / 6] * 3,
+    Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: [1 / 4, 1 / 12, 1 / 8],
+    Aggregation.SEQUENCE_MEAN_TOKEN_SUM: [1 / 4] * 3,
+    Aggregation.CONSTANT: [1 / 16] * 3,
+    Aggregation.TOKEN_SUM: [1.0] * 3,
+    Aggregation.PROMPT_MEAN_TOKEN_MEAN: [1 / 4, 1 / 12, 1 / 8],
+}
+# The same with S = 3 (and P = 3): the sequences/groups with a loss token.
+EXPECTED_WITH_LOSS_TOKENS = {
     Aggregation.TOKEN_MEAN: [1 / 6] * 3,
     Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: [1 / 3, 1 / 9, 1 / 6],
     Aggregation.SEQUENCE_MEAN_TOKEN_SUM: [1 / 3] * 3,
     Aggregation.CONSTANT: [1 / 12] * 3,
     Aggregation.TOKEN_SUM: [1.0] * 3,
+    Aggregation.PROMPT_MEAN_TOKEN_MEAN: [1 / 3, 1 / 9, 1 / 6],
 }
 
 
@@ -57,19 +70,23 @@ def test_hand_worked_loss_weights(mode):
     weights = loss_weights(batch, mode, max_len=4)
     assert _per_sequence_weights(batch, weights) == pytest.approx(EXPECTED[mode], abs=EXACT)
     assert (weights[~batch.loss_mask] == 0).all()
+    weights = loss_weights(batch, mode, max_len=4, sequences=SequenceCount.WITH_LOSS_TOKENS)
+    assert _per_sequence_weights(batch, weights) == pytest.approx(
+        EXPECTED_WITH_LOSS_TOKENS[mode], abs=EXACT)
 
 
 @pytest.mark.parametrize("mode", list(Aggregation))
 def test_counts_from_outside_change_the_weights_of_the_modes_that_use_them(mode):
     batch = _batch()
-    weights = loss_weights(batch, mode, num_tokens=12, num_sequences=6, max_len=4)
+    weights = loss_weights(batch, mode, num_tokens=12, num_sequences=8, num_groups=8, max_len=4)
     scale = 1.0 if mode is Aggregation.TOKEN_SUM else 0.5
     assert _per_sequence_weights(batch, weights) == pytest.approx(
         [scale * w for w in EXPECTED[mode]], abs=EXACT)
 
 
-def test_count_step_counts_loss_tokens_and_sequences_with_any():
-    assert count_step(_batch()) == (6, 3)
+def test_count_step_counts_loss_tokens_and_the_sequences_s_counts():
+    assert count_step(_batch()) == (6, 4)
+    assert count_step(_batch(), sequences="with-loss-tokens") == (6, 3)
 
 
 def test_bad_aggregation_arguments():
@@ -78,12 +95,17 @@ def test_bad_aggregation_arguments():
         loss_weights(batch, "token-mean")
     with pytest.raises(ValueError, match="max_len"):
         loss_weights(batch, Aggregation.CONSTANT)
-    with pytest.raises(ValueError, match="max_len"):
-        loss_weights(batch, Aggregation.CONSTANT, max_len=2)  # a response has 3 tokens
+    for bad in (0, -4, float("inf"), float("nan"), True, "4"):
+        with pytest.raises(ValueError, match="max_len"):
+            loss_weights(batch, Aggregation.CONSTANT, max_len=bad)
+    with pytest.raises(ValueError, match="sequences"):
+        loss_weights(batch, Aggregation.TOKEN_MEAN, sequences="all")
+    with pytest.raises(ValueError, match="num_groups"):
+        loss_weights(batch, Aggregation.PROMPT_MEAN_TOKEN_MEAN, num_groups=2)
     with pytest.raises(ValueError, match="num_tokens"):
         loss_weights(batch, Aggregation.TOKEN_MEAN, num_tokens=5)
     with pytest.raises(ValueError, match="num_sequences"):
-        loss_weights(batch, Aggregation.SEQUENCE_MEAN_TOKEN_SUM, num_sequences=2)
+        loss_weights(batch, Aggregation.SEQUENCE_MEAN_TOKEN_SUM, num_sequences=3)
     with pytest.raises(TypeError, match="num_tokens"):
         loss_weights(batch, Aggregation.TOKEN_MEAN, num_tokens=6.0)
     with pytest.raises(ValueError, match="mask"):

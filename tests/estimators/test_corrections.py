@@ -16,6 +16,7 @@ from tokenmdp.estimators import (
     MaskedIS,
     NoCorrection,
     Reinforce,
+    SequenceCount,
     TruncatedIS,
     loss,
     prepare,
@@ -104,10 +105,14 @@ def test_sequence_level_rejection_removes_the_sequence_from_the_count():
     batch = _batch()
     est = Estimator(surrogate=Reinforce(), aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_SUM,
                     correction=MaskedIS(high=2.0, level=Level.SEQUENCE,
-                                        masked_in_normalizer=False))
+                                        masked_in_normalizer=False),
+                    sequence_count=SequenceCount.WITH_LOSS_TOKENS)
     step = prepare(batch, est)
     # sequence 0 (W = 2.01) is rejected: S = 1, so sequence 1's tokens get weight 1
     assert _per_token(step, step.loss_weight) == pytest.approx([0, 0, 0, 1, 1], abs=EXACT)
+    # counting every sampled sequence (the default), the rejected one stays in S = 2
+    step = prepare(batch, est.replace(sequence_count=SequenceCount.SAMPLED))
+    assert _per_token(step, step.loss_weight) == pytest.approx([0, 0, 0, 0.5, 0.5], abs=EXACT)
 
 
 def test_factor_multiplies_the_surrogate_in_the_loss():

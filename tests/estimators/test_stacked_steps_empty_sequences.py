@@ -1,6 +1,8 @@
-"""``S`` counts only the sequences with a counted token, stacked steps (``step=``) and a lone
-step alike: a sequence with an empty response, one whose response is wholly loss-masked, or one
-whose every token a ``mask`` drops (masked-IS rejects), is not a sequence of the mean.
+"""What ``S`` counts, stacked steps (``step=``) and a lone step alike. By default
+(``SequenceCount.SAMPLED``, the peers' convention) every sampled sequence of the step counts; with
+``SequenceCount.WITH_LOSS_TOKENS`` a sequence with an empty response, one whose response is wholly
+loss-masked, or one whose every token a ``mask`` drops (masked-IS rejects), is not a sequence of
+the mean.
 
 The reference is hand counting: each step's ``N_tokens`` and ``S`` are written out below, and
 the weights follow the closed forms of the module table of
@@ -23,6 +25,8 @@ STEP = [0, 0, 0, 1, 1, 2, 2]
 MASKED = (2, 6)                       # sequences whose loss mask is cleared
 N_TOKENS = {0: 2, 1: 4, 2: 0}         # counted tokens of each step
 N_SEQUENCES = {0: 1, 1: 2, 2: 0}      # sequences with a counted token
+N_SAMPLED = {0: 3, 1: 2, 2: 2}        # every sampled sequence
+WITH = E.SequenceCount.WITH_LOSS_TOKENS
 
 
 def _batch():
@@ -42,25 +46,46 @@ def _expected(batch, mode, counts_of):
                      E.Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: 1 / (n_seq * per_seq[i]),
                      E.Aggregation.SEQUENCE_MEAN_TOKEN_SUM: 1 / n_seq,
                      E.Aggregation.CONSTANT: 1 / (n_seq * MAX_LEN),
-                     E.Aggregation.TOKEN_SUM: 1.0}[mode]
+                     E.Aggregation.TOKEN_SUM: 1.0,
+                     # one group per sequence: P counts what S counts
+                     E.Aggregation.PROMPT_MEAN_TOKEN_MEAN: 1 / (n_seq * per_seq[i])}[mode]
     return out
 
 
 @pytest.mark.parametrize("mode", list(E.Aggregation))
 def test_stacked_steps_count_only_sequences_with_a_counted_token(mode):
     batch = _batch()
-    weights = E.loss_weights(batch, mode, max_len=MAX_LEN, step=torch.tensor(STEP))
+    weights = E.loss_weights(batch, mode, max_len=MAX_LEN, step=torch.tensor(STEP),
+                             sequences=WITH)
     expected = _expected(batch, mode, lambda k: (N_TOKENS[k], N_SEQUENCES[k]))
+    torch.testing.assert_close(weights, expected, rtol=0, atol=EXACT_TOL)
+
+
+@pytest.mark.parametrize("mode", list(E.Aggregation))
+def test_stacked_steps_count_every_sampled_sequence_by_default(mode):
+    batch = _batch()
+    weights = E.loss_weights(batch, mode, max_len=MAX_LEN, step=torch.tensor(STEP))
+    expected = _expected(batch, mode, lambda k: (N_TOKENS[k], N_SAMPLED[k]))
     torch.testing.assert_close(weights, expected, rtol=0, atol=EXACT_TOL)
 
 
 @pytest.mark.parametrize("mode", list(E.Aggregation))
 def test_a_lone_step_counts_only_sequences_with_a_counted_token(mode):
     batch = _batch()
-    assert E.count_step(batch) == (sum(N_TOKENS.values()), sum(N_SEQUENCES.values()))
-    weights = E.loss_weights(batch, mode, max_len=MAX_LEN)
+    assert E.count_step(batch, sequences=WITH) == (sum(N_TOKENS.values()),
+                                                   sum(N_SEQUENCES.values()))
+    weights = E.loss_weights(batch, mode, max_len=MAX_LEN, sequences=WITH)
     expected = _expected(batch, mode, lambda k: (sum(N_TOKENS.values()),
                                                  sum(N_SEQUENCES.values())))
+    torch.testing.assert_close(weights, expected, rtol=0, atol=EXACT_TOL)
+
+
+@pytest.mark.parametrize("mode", list(E.Aggregation))
+def test_a_lone_step_counts_every_sampled_sequence_by_default(mode):
+    batch = _batch()
+    assert E.count_step(batch) == (sum(N_TOKENS.values()), len(RESPONSES))
+    weights = E.loss_weights(batch, mode, max_len=MAX_LEN)
+    expected = _expected(batch, mode, lambda k: (sum(N_TOKENS.values()), len(RESPONSES)))
     torch.testing.assert_close(weights, expected, rtol=0, atol=EXACT_TOL)
 
 
@@ -68,17 +93,21 @@ def test_a_lone_step_counts_only_sequences_with_a_counted_token(mode):
 @pytest.mark.parametrize("mode", [E.Aggregation.SEQUENCE_MEAN_TOKEN_SUM,
                                   E.Aggregation.SEQUENCE_MEAN_TOKEN_MEAN])
 def test_a_sequence_whose_tokens_the_mask_drops_leaves_the_sequence_count(mode, stacked):
-    """``mask`` (the loss mask minus masked-IS rejects) drops every token of sequence 3: step 1
-    then has one sequence, so the other's tokens weigh 1 (not 1/2)."""
+    """``mask`` (the loss mask minus masked-IS rejects) drops every token of sequence 3: with
+    ``WITH_LOSS_TOKENS`` step 1 then has one sequence, so the other's tokens weigh 1 (not 1/2);
+    by default the rejected sequence stays one of the step's sampled sequences."""
     batch = _batch()
     mask = batch.loss_mask & (batch.sequence_id != 3)
     kwargs = {"step": torch.tensor(STEP)} if stacked else {}
-    weights = E.loss_weights(batch, mode, max_len=MAX_LEN, mask=mask, **kwargs)
-    n_seq = 1 if stacked else 2                     # step 1 alone: seq 4; lone: seqs 0 and 4
     on_4 = mask & (batch.sequence_id == 4)
-    torch.testing.assert_close(weights[on_4], torch.full((1,), 1 / n_seq, dtype=batch.dtype),
-                               rtol=0, atol=EXACT_TOL)
-    assert bool((weights[~mask] == 0).all())
+    # step 1 alone: seq 4 (with a token) of seqs 3, 4; lone: seqs 0 and 4 of all seven
+    for sequences, n_seq in ((WITH, 1 if stacked else 2), ("sampled", 2 if stacked else 7)):
+        weights = E.loss_weights(batch, mode, max_len=MAX_LEN, mask=mask, sequences=sequences,
+                                 **kwargs)
+        torch.testing.assert_close(weights[on_4], torch.full((1,), 1 / n_seq,
+                                                             dtype=batch.dtype),
+                                   rtol=0, atol=EXACT_TOL)
+        assert bool((weights[~mask] == 0).all())
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "minirl"])

@@ -47,23 +47,29 @@ def _rejected_mask(batch: TokenBatch) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("sequences", list(E.SequenceCount))
 @pytest.mark.parametrize("mode", list(E.Aggregation))
-def test_masked_is_rejects_leave_the_minibatch_weights(mode):
+def test_masked_is_rejects_leave_the_minibatch_weights(mode, sequences):
+    """Rejected tokens leave ``N_tokens`` and ``|y_i|``; the wholly rejected sequence leaves
+    ``S`` only when ``S`` counts the sequences with a loss token (not by default)."""
     step = _step()
-    est = _mis(mode, in_normalizer=False)
+    est = _mis(mode, in_normalizer=False).replace(sequence_count=sequences)
     part = prepare_minibatch(E.prepare(step, est, max_len=MAX_LEN), est, max_len=MAX_LEN)
     rejected = _rejected_mask(step)
     assert bool((part.loss_weight[rejected] == 0).all())
     kept = step.loss_mask & ~rejected
     per_seq = {0: 2, 2: 1, 3: 2}              # kept tokens of each kept sequence
+    n_seq = ALL_SEQUENCES if sequences is E.SequenceCount.SAMPLED else KEPT_SEQUENCES
     expected = torch.zeros_like(part.loss_weight)
     for r, c in kept.nonzero().tolist():
         n_i = per_seq[int(step.sequence_id[r, c])]
         expected[r, c] = {E.Aggregation.TOKEN_MEAN: 1 / KEPT_TOKENS,
-                          E.Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: 1 / (KEPT_SEQUENCES * n_i),
-                          E.Aggregation.SEQUENCE_MEAN_TOKEN_SUM: 1 / KEPT_SEQUENCES,
-                          E.Aggregation.CONSTANT: 1 / (KEPT_SEQUENCES * MAX_LEN),
-                          E.Aggregation.TOKEN_SUM: 1.0}[mode]
+                          E.Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: 1 / (n_seq * n_i),
+                          E.Aggregation.SEQUENCE_MEAN_TOKEN_SUM: 1 / n_seq,
+                          E.Aggregation.CONSTANT: 1 / (n_seq * MAX_LEN),
+                          E.Aggregation.TOKEN_SUM: 1.0,
+                          # one group: the token mean of its kept tokens
+                          E.Aggregation.PROMPT_MEAN_TOKEN_MEAN: 1 / KEPT_TOKENS}[mode]
     torch.testing.assert_close(part.loss_weight, expected, rtol=0, atol=EXACT_TOL)
 
 

@@ -31,10 +31,10 @@ __all__ = ["closed_form_table", "conditional_length", "conditional_length_table"
            "cosine_table", "expected_inverse_length", "length_drift_figure", "micro_batch_table",
            "sequence_total_table", "weight_table"]
 
-# Column labels of the five aggregations, in ``Aggregation`` order.
+# Column labels of the aggregations, in ``Aggregation`` order.
 _SHORT = {Aggregation.TOKEN_MEAN: "tok-mean", Aggregation.SEQUENCE_MEAN_TOKEN_MEAN: "seq-tmean",
           Aggregation.SEQUENCE_MEAN_TOKEN_SUM: "seq-tsum", Aggregation.CONSTANT: "constant",
-          Aggregation.TOKEN_SUM: "tok-sum"}
+          Aggregation.TOKEN_SUM: "tok-sum", Aggregation.PROMPT_MEAN_TOKEN_MEAN: "prm-tmean"}
 
 # Colour and line style of each aggregation (by its ``Aggregation.value``) in the drift figure.
 _STYLE = {"token-mean": ("#dd8452", "-"), "seq-mean-token-mean": ("#c44e52", "-"),

@@ -36,7 +36,13 @@ from tokenmdp.estimators.advantages import (
     leave_one_out_advantage,
     reward_advantage,
 )
-from tokenmdp.estimators.aggregation import Aggregation, count_step, loss_weights
+from tokenmdp.estimators.aggregation import (
+    Aggregation,
+    SequenceCount,
+    count_groups,
+    count_step,
+    loss_weights,
+)
 from tokenmdp.estimators.corrections import (
     Correction,
     CorrectionFactor,
@@ -113,7 +119,8 @@ __all__ = [
     "NoCorrection", "PPOClip", "Reinforce", "RewardAsAdvantage", "SequenceRatio", "Surrogate",
     "SurrogateTerms", "TokenRatio", "TruncatedIS", "advantage_rewards",
     "batch_normalized_advantage", "cispo_term",
-    "count_step", "counted_mask", "describe", "format_table", "get", "group_mean_advantage",
+    "SequenceCount", "count_groups", "count_step", "counted_mask", "describe", "format_table",
+    "get", "group_mean_advantage",
     "group_normalized_advantage", "gspo_term", "gspo_token_term", "importance_weight", "kl_k1",
     "kl_k2", "kl_k3", "leave_one_out_advantage", "level_log_weight", "loss", "loss_weights",
     "masked_importance_weight", "minirl_term", "names", "per_micro_batch_token_mean_loss",

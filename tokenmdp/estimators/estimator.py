@@ -24,7 +24,7 @@ from tokenmdp.estimators._common import (
     to_tokens,
 )
 from tokenmdp.estimators.advantages import Advantage, RewardAsAdvantage
-from tokenmdp.estimators.aggregation import Aggregation, count_step, loss_weights
+from tokenmdp.estimators.aggregation import Aggregation, SequenceCount, count_step, loss_weights
 from tokenmdp.estimators.corrections import Correction, NoCorrection
 from tokenmdp.estimators.kl import KLPenalty
 from tokenmdp.estimators.surrogates import Surrogate
@@ -50,6 +50,9 @@ class Estimator:
         The loss-weight rule (:mod:`~tokenmdp.estimators.aggregation`).
     kl : KLPenalty, optional
         KL penalty to a reference policy, or None (default; :mod:`~tokenmdp.estimators.kl`).
+    sequence_count : SequenceCount, default ``SequenceCount.SAMPLED``
+        What ``S`` counts in the sequence-mean aggregations: every sampled sequence (the peers'
+        convention) or only those with a loss token (:class:`~tokenmdp.estimators.SequenceCount`).
     name : str, default ``"custom"``
         Registry name, used in messages and tables.
     """
@@ -59,11 +62,13 @@ class Estimator:
     correction: Correction = NoCorrection()
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
     kl: KLPenalty | None = None
+    sequence_count: SequenceCount = SequenceCount.SAMPLED
     name: str = "custom"
 
     def __post_init__(self):
         for field, kind in (("surrogate", Surrogate), ("advantage", Advantage),
-                            ("correction", Correction), ("aggregation", Aggregation)):
+                            ("correction", Correction), ("aggregation", Aggregation),
+                            ("sequence_count", SequenceCount)):
             value = getattr(self, field)
             if not isinstance(value, kind):
                 raise TypeError(f"Estimator.{field}: expected a {kind.__name__}, got "
@@ -182,17 +187,19 @@ def step_counts(batch: TokenBatch, estimator: Estimator) -> tuple[int, int]:
     num_tokens : int
         The counted loss tokens (:func:`counted_mask`).
     num_sequences : int
-        The sequences with at least one counted token.
+        The sequences ``S`` counts (``estimator.sequence_count``): all of them, or those with at
+        least one counted token.
     """
     estimator = resolve(estimator)
     estimator._check(batch, "prepare")
-    return count_step(batch, counted_mask(batch, estimator))
+    return count_step(batch, counted_mask(batch, estimator), sequences=estimator.sequence_count)
 
 
 def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None = None,
-            num_sequences: int | None = None, max_len: int | None = None,
+            num_sequences: int | None = None, max_len: float | None = None,
             step: torch.Tensor | None = None,
-            advantage_S: torch.Tensor | None = None) -> TokenBatch:
+            advantage_S: torch.Tensor | None = None,
+            num_groups: int | None = None) -> TokenBatch:
     """Fill ``advantage`` and ``loss_weight`` once for the whole optimizer step.
 
     1. a KL-in-reward penalty ``β Σ_t k_t`` (from ``old_logprob`` and ``ref_logprob``) is
@@ -222,12 +229,16 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
         The estimator, or a registry name (``"grpo"``).
     num_tokens, num_sequences : int, optional
         ``N_tokens`` and ``S`` of the whole step (default: this batch's, :func:`step_counts`).
-    max_len : int, optional
-        ``L_max``, the response-length budget (required by ``Aggregation.CONSTANT``).
+    max_len : int or float, optional
+        ``L_max`` of ``Aggregation.CONSTANT`` (required there): the response-length budget or
+        any positive constant normalizer.
     step : LongTensor ``[S]``, optional
         Optimizer-step id of each sequence, for several independent steps in one batch.
     advantage_S : Tensor ``[S]``, optional
         Per-sequence advantages computed by the caller (in ``batch.dtype``).
+    num_groups : int, optional
+        ``P``, the groups of the whole step, for ``Aggregation.PROMPT_MEAN_TOKEN_MEAN`` over
+        several batches (default: this batch's).
 
     Returns
     -------
@@ -245,7 +256,8 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
     advantage_RC = torch.where(batch.loss_mask, to_tokens(advantage_S, batch), 0.0)
     weights = loss_weights(batch, estimator.aggregation, num_tokens=num_tokens,
                            num_sequences=num_sequences, max_len=max_len,
-                           mask=counted_mask(batch, estimator), step=step)
+                           mask=counted_mask(batch, estimator), step=step,
+                           sequences=estimator.sequence_count, num_groups=num_groups)
     prepared = batch.replace(advantage=advantage_RC, loss_weight=weights)
     for part in (estimator.surrogate, estimator.correction):
         prepared = part.prepare_step(prepared, step)

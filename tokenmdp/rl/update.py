@@ -14,7 +14,7 @@ import torch
 
 from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
-from tokenmdp.distributed import global_counts
+from tokenmdp.distributed import all_reduce_floats, global_counts
 from tokenmdp.estimators import Estimator
 from tokenmdp.model import MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
@@ -132,10 +132,16 @@ def prepare_minibatch(batch: TokenBatch, estimator: Estimator, *, max_len: int) 
         ``batch`` with the new ``loss_weight``.
     """
     mask = estimators.counted_mask(batch, estimator)
-    counts = global_counts(batch, mask=mask)
+    counts = global_counts(batch, mask=mask, sequences=estimator.sequence_count.value)
+    num_groups = None
+    if estimator.aggregation is estimators.Aggregation.PROMPT_MEAN_TOKEN_MEAN:
+        # each rank samples its own prompts, so the ranks' groups are disjoint and P sums
+        local = estimators.count_groups(batch, mask, sequences=estimator.sequence_count)
+        num_groups = int(all_reduce_floats([float(local)], device=batch.device)[0])
     weights = estimators.loss_weights(batch, estimator.aggregation, num_tokens=counts.num_loss_tokens,
                                       num_sequences=counts.num_sequences, max_len=max_len,
-                                      mask=mask)
+                                      mask=mask, sequences=estimator.sequence_count,
+                                      num_groups=num_groups)
     return batch.replace(loss_weight=weights)
 
 
