@@ -145,6 +145,14 @@ def test_determinism_and_the_input_policy_is_untouched(mdp):
     assert torch.equal(a.objective, b.objective) and torch.equal(_theta(a.policy), _theta(b.policy))
     assert not torch.equal(a.objective, c.objective)
     assert torch.equal(_theta(policy), before)
+    assert torch.equal(_theta(a.policy_at(0)), before) and a.parameters.shape == (7, before.numel())
+    assert torch.equal(_theta(a.policy_at(6)), _theta(a.policy))
+    with torch.no_grad():
+        assert abs(float(objective(mdp, a.policy_at(3))) - a.objective[3]) < EXACT_TOL
+    with pytest.raises(ValueError, match="t:"):
+        a.policy_at(7)
+    with pytest.raises(TypeError, match="t:"):
+        a.policy_at(1.0)
     assert set(a.metrics) >= {"clip_fraction", "kl_ref"} and a.metrics["kl_ref"].shape == (6,)
     assert a.objective.dtype == torch.float64 and a.objective.shape == (7,)
 
@@ -158,7 +166,7 @@ def test_zero_updates_and_the_summary_properties(mdp):
                                                     dtype=torch.float64),
                              gradient_norm=torch.zeros(5), true_gradient_norm=torch.zeros(5),
                              cosine=torch.zeros(5), behavior_kl=torch.zeros(5), metrics={},
-                             policy=policy)
+                             parameters=torch.zeros(6, 1), policy=policy)
     assert curve.max_drawdown == pytest.approx(0.8, abs=EXACT_TOL)
     assert curve.final_objective == 1.9
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from tokenmdp.estimators import Estimator, loss, prepare
 from tokenmdp.exact.ground_truth import gradient, objective, sequence_kl
@@ -61,6 +62,9 @@ class ExactTrainingRun:
     metrics : dict of str to Tensor ``[updates]``
         Every metric of :func:`~tokenmdp.estimators.loss` (``clip_fraction``, ``r_max``, ...),
         one value per update.
+    parameters : Tensor ``[updates + 1, num_params]``
+        The flat parameters ``θ_t`` before the first update and after each update
+        (:meth:`policy_at` rebuilds ``π_t``).
     policy : nn.Module
         The trained policy (a copy; the policy passed in is not modified).
     """
@@ -71,6 +75,7 @@ class ExactTrainingRun:
     cosine: torch.Tensor
     behavior_kl: torch.Tensor
     metrics: dict[str, torch.Tensor]
+    parameters: torch.Tensor
     policy: nn.Module
 
     @property
@@ -82,6 +87,27 @@ class ExactTrainingRun:
         int
         """
         return int(self.gradient_norm.numel())
+
+    def policy_at(self, t: int) -> nn.Module:
+        """A frozen copy of the policy after ``t`` updates (``t = 0``: the initial policy).
+
+        Parameters
+        ----------
+        t : int
+            ``0 <= t <= updates``; negative values count from the end, as in Python.
+
+        Returns
+        -------
+        nn.Module
+            A deep copy of :attr:`policy` with parameters ``θ_t`` and no gradients.
+        """
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"t: expected an int, got {type(t).__name__}")
+        if not -self.parameters.shape[0] <= t < self.parameters.shape[0]:
+            raise ValueError(f"t: expected 0 <= t <= {self.updates}, got {t}")
+        copy_ = _frozen(self.policy)
+        vector_to_parameters(self.parameters[t].clone(), copy_.parameters())
+        return copy_
 
     @property
     def final_objective(self) -> float:
@@ -207,6 +233,7 @@ def train_exact(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, updat
 
     with torch.no_grad():
         J = [float(objective(mdp, trained))]
+    thetas = [parameters_to_vector(trained.parameters()).detach().clone()]
     history = collections.deque([_frozen(trained)], maxlen=staleness + 1)
     rows: dict[str, list[float]] = collections.defaultdict(list)
     metrics: dict[str, list[float]] = {}
@@ -238,6 +265,7 @@ def train_exact(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, updat
         opt.step()
         with torch.no_grad():
             J.append(float(objective(mdp, trained)))
+        thetas.append(parameters_to_vector(trained.parameters()).detach().clone())
         history.append(_frozen(trained))
 
     def as_tensor(values: list[float]) -> torch.Tensor:
@@ -248,7 +276,7 @@ def train_exact(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, updat
                                                                "true_gradient_norm", "cosine",
                                                                "behavior_kl")},
                             metrics={k: as_tensor(v) for k, v in metrics.items()},
-                            policy=trained)
+                            parameters=torch.stack(thetas), policy=trained)
 
 
 def _make_optimizer(params, lr, optimizer) -> torch.optim.Optimizer:
