@@ -24,42 +24,66 @@ if TYPE_CHECKING:
     from tokenmdp.exact.mdp import TokenMDP
 
 
+def prefix_digits(out: torch.Tensor, branching: int, k: int) -> torch.Tensor:
+    """Fill ``out`` ``[..., b^k, >=k]`` with the base-``b`` digits of codes ``0 .. b^k - 1`` (most
+    significant first) in its first ``k`` columns: digit ``j`` of code ``c`` is
+    ``(c // b^(k-1-j)) % b``, i.e. ``arange(b)`` each repeated ``b^(k-1-j)`` times, tiled
+    ``b^j`` times, written by one broadcast copy per column (no integer division)."""
+    b = branching
+    digits = torch.arange(b, dtype=out.dtype)
+    lead = out.shape[:-2]
+    for j in range(k):
+        out[..., j].view(*lead, b ** j, b, b ** (k - 1 - j)).copy_(digits[:, None])
+    return out
+
+
 def terminal_layout(mdp: TokenMDP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``TokenMDP._terminal_layout``: prompt index ``[N]``, EOS-padded responses ``[N, L]`` and
     response lengths ``[N]`` of every terminal, in canonical order."""
     b, L, P = mdp.branching, mdp.max_len, mdp.num_prompts
-    resp_blocks, len_blocks = [], []
+    n = mdp.responses_per_prompt
+    resp = torch.empty(P, n, L, dtype=torch.long)
+    lengths = torch.empty(n, dtype=torch.long)
+    start = 0
     for k in range(L + 1):
-        n = b ** k
-        digits = mdp.decode(torch.arange(n), k)
-        block = torch.full((n, L), mdp.eos, dtype=torch.long)
-        block[:, :k] = digits
-        resp_blocks.append(block)
-        len_blocks.append(torch.full((n,), k + 1 if k < L else L, dtype=torch.long))
-    per_prompt = torch.cat(resp_blocks)
-    lengths = torch.cat(len_blocks)
-    m = per_prompt.shape[0]
-    return (torch.arange(P).repeat_interleave(m), per_prompt.repeat(P, 1), lengths.repeat(P))
+        m = b ** k
+        block = resp[:, start:start + m]
+        prefix_digits(block, b, k)
+        block[..., k:] = mdp.eos
+        lengths[start:start + m] = k + 1 if k < L else L
+        start += m
+    return (torch.arange(P).repeat_interleave(n), resp.view(P * n, L),
+            lengths.repeat(P) if P > 1 else lengths)
 
 
 def reward_table(mdp: TokenMDP) -> torch.Tensor:
     """See :attr:`TokenMDP.rewards <tokenmdp.exact.TokenMDP.rewards>`: ``R(x, y)`` of every
-    terminal, vectorized when the reward offers it, each value checked to be a finite number."""
-    pidx, resp, lengths = mdp._terminal_layout
+    terminal, from the reward's ``on_prefix_tree`` or ``vectorized`` form when it offers one,
+    each value checked to be a finite number."""
+    tree = getattr(mdp.reward_fn, "on_prefix_tree", None)
     vectorized = getattr(mdp.reward_fn, "vectorized", None)
-    if vectorized is not None:
+    if tree is not None:
+        values = torch.as_tensor(tree(mdp.prompts, mdp.vocab_size, mdp.max_len),
+                                 dtype=torch.float64)
+    elif vectorized is not None:
+        pidx, resp, lengths = mdp._terminal_layout
         values = torch.as_tensor(
             vectorized(mdp.prompts, pidx, resp, lengths, eos=mdp.eos), dtype=torch.float64)
     else:
+        pidx, resp, lengths = mdp._terminal_layout
         rows = resp.tolist()
         values = torch.tensor(
             [_call_reward(mdp, mdp.prompts[p], tuple(r[:n]))
              for p, r, n in zip(pidx.tolist(), rows, lengths.tolist())], dtype=torch.float64)
     if values.shape != (mdp.num_sequences,):
-        raise ValueError(f"reward: vectorized form returned shape {tuple(values.shape)}, "
+        form = "on_prefix_tree" if tree is not None else "vectorized"
+        raise ValueError(f"reward: {form} form returned shape {tuple(values.shape)}, "
                          f"expected ({mdp.num_sequences},)")
-    bad = ~torch.isfinite(values)
-    if bool(bad.any()):
+    # a finite sum means finite values (the fast check: torch.isfinite is slow on CPU floats);
+    # a sum that overflows is checked value by value
+    if not bool(torch.isfinite(values.sum())) and not bool(torch.isfinite(values).all()):
+        bad = ~torch.isfinite(values)
+        pidx, resp, lengths = mdp._terminal_layout
         i = int(bad.nonzero()[0])
         raise ValueError(f"reward: returned a non-finite value {float(values[i])} for "
                          f"prompt {mdp.prompts[int(pidx[i])]}, response "

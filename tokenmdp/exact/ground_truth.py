@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmdp.exact._tree_objective import tree_objective
 from tokenmdp.exact.mdp import TokenMDP
 from tokenmdp.exact.policies import PrefixPolicy, check_policy
 
@@ -128,11 +129,13 @@ def objective(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:
     Returns
     -------
     Tensor
-        The scalar ``J``.
+        The scalar ``J``, computed by a backward pass of values down the prefix tree; its
+        gradient (first order) is the closed form ``∂J/∂z = d^π π (Q^π − V^π)`` in the logits,
+        so no tensor of the enumeration's size but the reward table is built
+        (``tokenmdp.exact._tree_objective``).
     """
-    probs = sequence_probs(mdp, policy)
-    weights = mdp.prompt_probs[mdp.terminal_prompt_index]
-    return (weights * probs * mdp.rewards).sum()
+    check_policy(mdp, policy)
+    return tree_objective(mdp, policy, state_logprobs)
 
 
 def flat_grad(output: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -154,6 +157,8 @@ def flat_grad(output: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """
     params = [p for p in module.parameters()]
     grads = torch.autograd.grad(output, params, allow_unused=True)
+    if len(params) == 1 and grads[0] is not None:
+        return grads[0].reshape(-1)
     return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
                       for p, g in zip(params, grads)])
 
@@ -175,8 +180,9 @@ def gradient(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:
     Tensor ``[num_params]``
         ``∇J``, float64.
     """
+    check_policy(mdp, policy)
     with torch.enable_grad():
-        return flat_grad(objective(mdp, policy), policy)
+        return flat_grad(tree_objective(mdp, policy, state_logprobs, eager=True), policy)
 
 
 def state_visitation(mdp: TokenMDP, policy: nn.Module) -> torch.Tensor:

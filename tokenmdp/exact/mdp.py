@@ -211,8 +211,9 @@ class TokenMDP:
         """
         n = self.level_size(k)
         prompt_index = torch.arange(self.num_prompts).repeat_interleave(n)
-        codes = torch.arange(n).repeat(self.num_prompts)
-        return prompt_index, self.decode(codes, k)
+        prefix = torch.empty(self.num_prompts, n, k, dtype=torch.long)
+        _enumeration.prefix_digits(prefix, self.branching, k)
+        return prompt_index, prefix.view(self.num_prompts * n, k)
 
     def decode(self, codes: torch.Tensor, k: int) -> torch.Tensor:
         """Base-``b`` digits (most significant first) ``[N, k]`` of prefix codes ``[N]``.

@@ -196,7 +196,7 @@ class TabularPolicy(PrefixPolicy):
         _check_generator(generator)
         init_std = check_number("init_std", init_std)
         table = torch.randn(mdp.num_states, mdp.vocab_size, generator=generator,
-                            dtype=torch.float64) * init_std
+                            dtype=torch.float64).mul_(init_std)
         self.table = nn.Parameter(table)
 
     def logits(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:

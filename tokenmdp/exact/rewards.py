@@ -4,7 +4,9 @@ A reward is any callable ``reward(prompt, response) -> float`` on token tuples. 
 below also offer ``vectorized(prompts, prompt_index, responses, lengths, *, eos)`` over every
 terminal at once (``responses`` is ``[N, L]`` padded with EOS), which :class:`~tokenmdp.exact.TokenMDP`
 uses when present; their ``__call__`` runs the same vectorized code on one row, so the two forms
-cannot disagree.
+cannot disagree. A reward may also offer ``on_prefix_tree(prompts, vocab_size, max_len)``, its
+values over a whole enumeration in canonical order (:class:`RandomTable` does, walking its hash
+once per prefix): the MDP then never builds the ``[N, L]`` responses to evaluate it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
+
+from tokenmdp.exact import _hashing
 
 __all__ = ["Reward", "ExactMatch", "ContainsPattern", "TokenCount", "Parity", "LengthReward",
            "RandomTable", "OverlongPenalty"]
@@ -273,18 +277,6 @@ class LengthReward(Reward):
         return out
 
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def _splitmix(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finalizer (Steele et al. 2014), elementwise on uint64."""
-    with np.errstate(over="ignore"):
-        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
-        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
-        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
-        return x ^ (x >> np.uint64(31))
-
-
 class RandomTable(Reward):
     """A seeded random reward per (prompt, response): uniform in ``[low, high)`` or Bernoulli.
 
@@ -323,23 +315,41 @@ class RandomTable(Reward):
         ndarray ``[N]``
             Float64 rewards.
         """
-        responses, lengths, pidx = _np(responses), _np(lengths), _np(prompt_index)
-        prompt_hash = np.empty(len(prompts), dtype=np.uint64)
-        for p, prompt in enumerate(prompts):
-            h = _splitmix(np.array([self.seed], dtype=np.uint64))
-            for t in prompt:
-                h = _splitmix(h ^ np.uint64(t + 1))
-            prompt_hash[p] = h[0]
-        h = prompt_hash[pidx]
-        cols = np.arange(responses.shape[1])
-        for c in cols:
-            tok = np.where(c < lengths, responses[:, c] + 1, 0).astype(np.uint64)
-            h = np.where(c < lengths, _splitmix(h ^ tok), h)
-        h = _splitmix(h ^ lengths.astype(np.uint64))
-        u = (h >> np.uint64(11)).astype(np.float64) / float(2 ** 53)
+        u = _hashing.table_hash(self.seed, prompts, _np(prompt_index), _np(responses),
+                                _np(lengths))
+        return self._scale(u)
+
+    def on_prefix_tree(self, prompts, vocab_size: int, max_len: int) -> np.ndarray:
+        """The table's value of every (prompt, response) of an MDP, in canonical order.
+
+        The same values as :meth:`vectorized` over the MDP's enumeration, bit for bit, walking
+        the hash chain once per prefix instead of once per response token
+        (:class:`~tokenmdp.exact.TokenMDP` uses this form when a reward offers it).
+
+        Parameters
+        ----------
+        prompts : sequence of tuple of int
+            The MDP's prompts.
+        vocab_size : int
+            ``V``; token ``V - 1`` is EOS.
+        max_len : int
+            The MDP's response length limit ``L``.
+
+        Returns
+        -------
+        ndarray ``[P * Σ_{k<=L} (V-1)^k]``
+            Float64 rewards, prompt-major, in the order of :meth:`TokenMDP.enumerate
+            <tokenmdp.exact.TokenMDP.enumerate>`.
+        """
+        return self._scale(_hashing.tree_hash(self.seed, prompts, vocab_size - 1, max_len,
+                                              vocab_size - 1))
+
+    def _scale(self, u: np.ndarray) -> np.ndarray:
         if self.binary_p is not None:
             return (u < self.binary_p).astype(np.float64)
-        return self.low + (self.high - self.low) * u
+        u *= self.high - self.low
+        u += self.low
+        return u
 
 
 class OverlongPenalty(Reward):
