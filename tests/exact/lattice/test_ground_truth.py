@@ -106,7 +106,7 @@ def test_stale_copy_moves_back_by_distance(distance):
     old = L.stale_copy(mdp, pi, distance=distance)
     assert close((pi.logits - old.logits).norm().detach(), distance)
     if distance > 0:
-        assert float(L.objective(mdp, pi)) > float(L.objective(mdp, old))
+        assert float(L.objective(mdp, pi).detach()) > float(L.objective(mdp, old).detach())
     steps = L.stale_copy(mdp, pi, steps=2, lr=0.5)
     g1 = L.gradient(mdp, pi)
     once = pi.logits.detach().reshape(-1) - 0.5 * g1

@@ -23,6 +23,7 @@ from tokenmdp.exact.lattice.automaton import (
     token_count,
 )
 from tokenmdp.exact.lattice.behavior import inference_copy, stale_copy
+from tokenmdp.exact.lattice.coefficients import exact_support, length_weights, token_coefficients
 from tokenmdp.exact.lattice.ground_truth import (
     LatticeValues,
     chi_square,
@@ -40,6 +41,8 @@ from tokenmdp.exact.lattice.ground_truth import (
     visitation,
 )
 from tokenmdp.exact.lattice.mdp import LatticeMDP, to_token_mdp
+from tokenmdp.exact.lattice.moments import moments
+from tokenmdp.exact.lattice.monte_carlo import group_batch, sample, step_gradients
 from tokenmdp.exact.lattice.policy import LatticePolicy, as_prefix_policy, check_lattice_policy
 
 __all__ = [
@@ -47,5 +50,6 @@ __all__ = [
     "to_token_mdp", "LatticePolicy", "check_lattice_policy", "as_prefix_policy", "stale_copy",
     "inference_copy", "transition_matrices", "visitation", "expected_length", "objective",
     "gradient", "values", "LatticeValues", "entropy", "sequence_kl", "log_second_moment",
-    "chi_square", "surrogate", "max_node_tv", "trust_region_bound",
+    "chi_square", "surrogate", "max_node_tv", "trust_region_bound", "moments", "exact_support",
+    "length_weights", "token_coefficients", "sample", "group_batch", "step_gradients",
 ]
