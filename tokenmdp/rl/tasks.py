@@ -435,3 +435,7 @@ def get_task(name: str) -> Task:
     if name not in TASKS:
         raise ValueError(f"task: expected one of {', '.join(TASKS)}, got {name!r}")
     return TASKS[name]()
+
+
+# the long-answer tasks (their module imports this one's classes, then adds itself to TASKS)
+import tokenmdp.rl.long_tasks  # noqa: E402, F401
