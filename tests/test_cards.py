@@ -70,7 +70,8 @@ def test_every_card_renders_as_text_and_markdown(rows):
 def test_cards_list_each_frameworks_name_and_what_the_estimator_needs(rows):
     md = card_markdown("ppo")
     # the ';' inside verl's parentheses does not split the item
-    assert "- verl policy_loss.loss_mode=vanilla (clip_ratio; clip_ratio_c = dual clip)\n" in md
+    assert ("- verl policy_loss.loss_mode=vanilla (clip_ratio; its dual clip at clip_ratio_c, "
+            "default 3, is always on: ppo_verl)\n") in md
     assert "- Tinker loss_fn='ppo'" in md
     assert "| needs | old_logprob |" in md
     assert "ref_logprob" in card_markdown("grpo") and "ref_logprob" not in md

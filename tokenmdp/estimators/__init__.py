@@ -10,6 +10,9 @@ over a :class:`~tokenmdp.batch.TokenBatch` (reading order):
   :mod:`~tokenmdp.estimators.per_decision` — SAPO, GMPO, an entropy bonus; DPPO's and OPSM's
   masks; per-decision IS;
 * :mod:`~tokenmdp.estimators.corrections` — the detached training–inference factor ``π_old/μ``;
+  :mod:`~tokenmdp.estimators.rejection` (verl's rejection masks, factor 1) and
+  :mod:`~tokenmdp.estimators.self_normalized` (self-normalized IS over the step);
+  :mod:`~tokenmdp.estimators.ctpo` — CTPO's clipped cumulative ratio;
 * :mod:`~tokenmdp.estimators.aggregation` — the per-token loss weights of the step;
 * :mod:`~tokenmdp.estimators.kl` — KL to a reference policy, in the reward or in the loss;
 
@@ -57,6 +60,7 @@ from tokenmdp.estimators.corrections import (
     training_inference_log_weight,
     truncated_importance_weight,
 )
+from tokenmdp.estimators.ctpo import CTPOClip, ctpo_bounds, ctpo_term
 from tokenmdp.estimators.estimator import (
     Estimator,
     advantage_rewards,
@@ -71,6 +75,16 @@ from tokenmdp.estimators.per_decision import (
     per_decision_term,
 )
 from tokenmdp.estimators.registry import describe, format_table, get, names
+from tokenmdp.estimators.rejection import (
+    RejectionSampling,
+    rejection_keep_mask,
+    rejection_statistic,
+)
+from tokenmdp.estimators.self_normalized import (
+    SNIS_FACTOR,
+    SelfNormalizedIS,
+    self_normalized_weight,
+)
 from tokenmdp.estimators.sequence_surrogates import (
     GSPO,
     GSPOToken,
@@ -133,4 +147,7 @@ __all__ = [
     "off_policy_sequence_keep_mask", "per_decision_term", "sapo_term",
     # issue 15 KL estimators
     "kl_abs", "kl_k3_plus",
+    # issue 15 corrections and CTPO
+    "CTPOClip", "RejectionSampling", "SNIS_FACTOR", "SelfNormalizedIS", "ctpo_bounds",
+    "ctpo_term", "rejection_keep_mask", "rejection_statistic", "self_normalized_weight",
 ]

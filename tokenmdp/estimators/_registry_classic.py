@@ -8,7 +8,9 @@ generated from the bases. Looked up through :mod:`~tokenmdp.estimators.registry`
 
 from __future__ import annotations
 
-from tokenmdp.estimators._registry_core import _register, _variant
+import dataclasses
+
+from tokenmdp.estimators._registry_core import _ENTRIES, _register, _variant
 from tokenmdp.estimators.advantages import (
     BatchNormalized,
     GroupMean,
@@ -51,7 +53,9 @@ def rloo() -> Estimator:
 
 @_register("token_is", formula="-1/S Σ_i Σ_t ρ_it A_i, ρ_it = π_θ/μ = (π_old/μ)(π_θ/π_old)",
            paper="Zheng et al., arXiv 2512.01374, Eq. 3",
-           aliases="Tinker loss_fn='importance_sampling'")
+           aliases="Tinker loss_fn='importance_sampling' (ρ_t = π_θ/q against the sampler's "
+                   "log-probs, a plain sum over tokens of the caller's advantages; this entry "
+                   "divides by S)")
 def token_is() -> Estimator:
     """Token-level IS: ``ρ_t Â`` (gradient = ∇ of the trust-region surrogate ``L_μ(π_θ)``),
     group-mean advantage, sequence-mean of token sums, IS on ``π_old/μ`` at the token level."""
@@ -73,8 +77,11 @@ def sequence_is() -> Estimator:
 
 @_register("ppo", formula="-1/N Σ min(r Â, clip(r, 1-ε, 1+ε) Â), Â batch-normalized R",
            paper="Schulman et al., arXiv 1707.06347",
-           aliases="verl policy_loss.loss_mode=vanilla (clip_ratio; clip_ratio_c = dual clip); "
-                   "Tinker loss_fn='ppo'")
+           aliases="verl policy_loss.loss_mode=vanilla (clip_ratio; its dual clip at "
+                   "clip_ratio_c, default 3, is always on: ppo_verl); Tinker loss_fn='ppo' has "
+                   "the same clip "
+                   "(clip_low_threshold 0.8, clip_high_threshold 1.2) of π_θ/q against the "
+                   "sampler, summed over tokens with the caller's advantages")
 def ppo() -> Estimator:
     """PPO clip, ε = 0.2 (paper), token-mean. No critic here: the advantage is the
     batch-normalized reward (PPO's advantage normalization), a documented simplification."""
@@ -87,7 +94,10 @@ def ppo() -> Estimator:
                            "Â = (R - mean_g)/std_g",
            paper="Shao et al. (DeepSeekMath), arXiv 2402.03300, Eq. 3",
            aliases="verl adv_estimator=grpo, loss_agg_mode=seq-mean-token-mean, use_kl_loss, "
-                   "kl_loss_type=low_var_kl; TRL loss_type='grpo', beta, epsilon")
+                   "kl_loss_type=low_var_kl, plus the dual clip at clip_ratio_c = 3 its vanilla "
+                   "loss always applies (differs on Â < 0 tokens with r > 3: grpo_verl); TRL "
+                   "loss_type='grpo', beta, epsilon (TRL's default vllm_importance_sampling "
+                   "correction is sequence_mask at 3: grpo_trl_mis)")
 def grpo() -> Estimator:
     """GRPO: group mean/std advantage (sample std, ε 1e-6), PPO clip ε = 0.2, sequence-mean of
     token means, k3 KL in the loss with β = 0.04 (paper). Needs ``ref_logprob``."""
@@ -99,7 +109,8 @@ def grpo() -> Estimator:
 
 @_register("dr_grpo", formula="-1/(S L_max) Σ_i Σ_t min(r Â, clip(r) Â), Â = R - mean_g",
            paper="Liu et al. (Dr. GRPO), arXiv 2503.20783",
-           aliases="verl norm_adv_by_std_in_grpo=False, loss_agg_mode=seq-mean-token-sum-norm; "
+           aliases="verl norm_adv_by_std_in_grpo=False, loss_agg_mode=seq-mean-token-sum-norm "
+                   "(its vanilla loss adds a dual clip at clip_ratio_c = 3 on Â < 0, r > 3); "
                    "TRL loss_type='dr_grpo', scale_rewards=False")
 def dr_grpo() -> Estimator:
     """Dr. GRPO: no std and no ``1/|y|`` (both biases removed), PPO clip ε = 0.2, constant
@@ -111,8 +122,10 @@ def dr_grpo() -> Estimator:
 @_register("dapo", formula="-1/N Σ_i Σ_t min(r Â, clip(r, 1-0.2, 1+0.28) Â), "
                            "Â = (R - mean_g)/std_g",
            paper="Yu et al. (DAPO), arXiv 2503.14476",
-           aliases="verl clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=token-mean; "
-                   "TRL loss_type='dapo', epsilon_high=0.28")
+           aliases="verl clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=token-mean, "
+                   "plus its always-on dual clip at clip_ratio_c = 3 (dapo_verl); TRL "
+                   "loss_type='dapo', epsilon_high=0.28 (with TRL's default sequence_mask "
+                   "correction at 3: dapo_trl_mis)")
 def dapo() -> Estimator:
     """DAPO: clip-higher (ε_low 0.2, ε_high 0.28), token-level mean over the step, no KL.
     Dynamic sampling and overlong shaping act on the data, not the loss."""
@@ -145,7 +158,9 @@ def gspo_token() -> Estimator:
 
 @_register("cispo", formula="-1/N Σ_i Σ_t sg(clip(r, 1-ε_low, 1+ε_high)) Â log π",
            paper="MiniMax (MiniMax-M1), arXiv 2506.13585",
-           aliases="verl policy_loss.loss_mode=cispo; Tinker loss_fn='cispo'")
+           aliases="verl policy_loss.loss_mode=cispo; Tinker loss_fn='cispo' clips to "
+                   "[0, 4] (clip_low_threshold 0, clip_high_threshold 4), not [0, 1.2], and sums "
+                   "over tokens: cispo_tinker")
 def cispo() -> Estimator:
     """CISPO: clip the IS weight, not the update (no lower bound; ε_high 0.2), group mean/std
     advantage, token-mean, no KL."""
@@ -168,8 +183,10 @@ def minirl() -> Estimator:
 # ---------------------------------------------------------------------- variants
 _TIS = TruncatedIS(cap=2.0, level=Level.TOKEN)
 _MIS = MaskedIS(low=0.5, high=5.0, level=Level.TOKEN, masked_in_normalizer=True)
-_TIS_ALIASES = ("verl rollout correction (token TIS, threshold 2); TRL "
-                "vllm_importance_sampling_correction (cap 2); ms-swift token_truncate")
+_TIS_ALIASES = ("verl algorithm.rollout_correction.rollout_is=token, rollout_is_threshold=2 "
+                "(verl's default rollout_is is 'sequence'); TRL "
+                "vllm_importance_sampling_mode='token_truncate', clip_max=2 (TRL's defaults are "
+                "'sequence_mask' and 3: the *_trl_mis entries); ms-swift token_truncate")
 _MIS_ALIASES = "IcePop; ms-swift token_mask; NeMo RL ICE-POP"
 
 
@@ -199,3 +216,29 @@ _variant("minirl", "len_norm", "length normalization (the paper's '+length norma
          "ablation: sequence-mean of token means)", "--",
          formula="-1/S Σ_i 1/|y_i| Σ_t M_t sg(min(π_old/μ, 5) r_t) (R_i - mean_g) log π",
          aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_MEAN)
+
+
+# ---------------------------------------------------------------------- the peers' defaults
+_DUAL = "verl's vanilla policy loss, whose dual clip at clip_ratio_c = 3 is always on"
+for _base in ("ppo", "grpo", "dapo"):
+    _surrogate = _ENTRIES[_base].build().surrogate
+    _variant(_base, "verl", f"the dual clip c = 3 of {_DUAL}",
+             f"verl policy_loss.loss_mode=vanilla, clip_ratio_c=3.0 (its default; verl asserts "
+             f"c > 1, so the dual clip cannot be switched off); otherwise as {_base}",
+             formula="; each token's term with Â < 0 is max(min(r Â, clip(r) Â), 3 Â) (no "
+                     "gradient where r > 3)",
+             surrogate=dataclasses.replace(_surrogate, dual_clip=3.0))
+_variant("cispo", "tinker", "Tinker's band [0, 4] of the ratio and its sum over tokens",
+         "Tinker loss_fn='cispo' with its defaults clip_low_threshold 0.0, clip_high_threshold "
+         "4.0; Tinker's ratio is π_θ/q against the sampler's log-probs (pass them as "
+         "old_logprob) and its loss a plain sum; its advantages are the caller's",
+         formula="-Σ_i Σ_t sg(clip(r, 0, 4)) Â log π",
+         surrogate=CISPO(eps_low=1.0, eps_high=3.0), aggregation=Aggregation.TOKEN_SUM)
+_TRL_MIS = MaskedIS(high=3.0, level=Level.SEQUENCE, masked_in_normalizer=True)
+for _base in ("grpo", "dapo"):
+    _variant(_base, "trl_mis", "TRL's default training-inference correction: the sequence weight "
+             "Π_t π_old/μ, zeroed above 3", "TRL GRPOConfig vllm_importance_sampling_correction="
+             "True, vllm_importance_sampling_mode='sequence_mask', clip_max 3.0 (its defaults; "
+             "the masked sequences stay in the normalizer)",
+             formula="; each sequence's terms × sg(W_i) 1[W_i ≤ 3], W_i = Π_t π_old/μ (rejects "
+                     "stay in the normalizer)", correction=_TRL_MIS)

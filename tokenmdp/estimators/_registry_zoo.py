@@ -1,19 +1,22 @@
 """Registry entries: the newer surrogates (SAPO, DPPO, GMPO, OPSM, per-decision IS, LUSPO,
-an entropy bonus), registered like the classic ones and looked up through
-:mod:`~tokenmdp.estimators.registry`.
+an entropy bonus, CTPO) and verl's rejection masks, registered
+like the classic ones and looked up through :mod:`~tokenmdp.estimators.registry`.
 """
 
 from __future__ import annotations
 
 from tokenmdp.estimators._registry_classic import grpo, ppo
-from tokenmdp.estimators._registry_core import _register
+from tokenmdp.estimators._registry_core import _register, _variant
 from tokenmdp.estimators.advantages import (
     GroupMean,
     GroupNormalized,
 )
 from tokenmdp.estimators.aggregation import Aggregation
+from tokenmdp.estimators.corrections import Level, TruncatedIS
+from tokenmdp.estimators.ctpo import CTPOClip
 from tokenmdp.estimators.estimator import Estimator
 from tokenmdp.estimators.per_decision import PerDecisionRatio
+from tokenmdp.estimators.rejection import RejectionSampling
 from tokenmdp.estimators.sequence_surrogates import GSPO
 from tokenmdp.estimators.soft_surrogates import GMPO, SAPO, EntropyBonus
 from tokenmdp.estimators.trust_region_masks import DPPO, OffPolicySequenceMask
@@ -131,3 +134,42 @@ def ppo_entropy() -> Estimator:
     entropy estimate; otherwise as ``ppo``."""
     base = ppo()
     return base.replace(name="ppo_entropy", surrogate=EntropyBonus(base.surrogate, coef=0.01))
+
+
+# ---------------------------------------------------------------------- issue 15: corrections
+@_register("ctpo", formula="-1/N Σ_t sg(min(W_i, 5)) max(min(e^L Â, e^{clamp(L, lo_t, hi_t)} Â), "
+                           "e^{c_t} Â [Â<0]), L = Σ_{s<=t} log π_θ/π_old, lo_t = -0.025 √t, "
+                           "hi_t = c_t = 0.05 √t, W_i = Π_t π_old/μ",
+           paper="Zhang et al. (CTPO), arXiv 2605.07331; the authors' verl loss "
+                 "cum-token-cumprod-la (github.com/horizon-llm/CTPO)",
+           aliases="horizon-llm/CTPO policy_loss.loss_mode=cum-token-cumprod-la, la_clip_low "
+                   "0.025, la_clip_high 0.05, la_clip_c 0.05, clip_ratio_la_power 0.5, with its "
+                   "ctpo.sh rollout correction rollout_is=sequence, rollout_is_threshold 5.0; "
+                   "adv_estimator=grpo; verl's default loss_agg_mode token-mean")
+def ctpo() -> Estimator:
+    """CTPO-LA: the cumulative token ratio ``ρ_{1:t}`` against ``π_old`` clipped in log space
+    with bounds growing like ``√t`` and an always-on dual clip (the authors' defaults), group
+    mean/std advantage, token-mean, sequence-level TIS at 5 on ``π_old/μ`` (their script's
+    rollout correction), no KL. Unclipped, the cumulative ratio is ``per_decision_is``."""
+    return Estimator(name="ctpo", surrogate=CTPOClip(), advantage=GroupNormalized(ddof=1, eps=1e-6),
+                     correction=TruncatedIS(cap=5.0, level=Level.SEQUENCE),
+                     aggregation=Aggregation.TOKEN_MEAN)
+
+
+_RS_ALIASES = ("verl algorithm.rollout_correction.rollout_rs={option}, rollout_rs_threshold="
+               "'0.5_2.0' (the band of its decoupled_seq_is_rs preset and of its multi-criteria "
+               "example, here without IS weights; rejected tokens leave response_mask, so they "
+               "leave the normalizers and the KL term); RejectionSampling.from_verl reads any "
+               "other option")
+_variant("grpo", "rs_token", "verl's token rejection mask: tokens whose μ/π_old leaves [0.5, 2] "
+         "are dropped, the others keep factor 1 (no IS weight)",
+         _RS_ALIASES.format(option="token_k1"),
+         formula="; each token's terms × 1[0.5 ≤ μ/π_old ≤ 2] (rejects leave the normalizer "
+                 "and the loss)",
+         correction=RejectionSampling.from_verl("token_k1", "0.5_2.0"))
+_variant("grpo", "rs_seq", "verl's sequence rejection mask: sequences whose product of μ/π_old "
+         "leaves [0.5, 2] are dropped, the others keep factor 1 (no IS weight)",
+         _RS_ALIASES.format(option="seq_sum_k1"),
+         formula="; each sequence's terms × 1[0.5 ≤ Π_t μ/π_old ≤ 2] (rejects leave the "
+                 "normalizer and the loss)",
+         correction=RejectionSampling.from_verl("seq_sum_k1", "0.5_2.0"))
