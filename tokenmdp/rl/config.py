@@ -40,6 +40,10 @@ class TrainConfig:
         rollout engine's routing).
     rollout_precision : str, default "fp32"
         Numerics of the rollout engine: fp32, bf16, fp16 or fp8 (simulated).
+    rollout_logit_noise : float, default 0.0
+        Engine-mismatch dial beyond the precision: standard deviation of Gaussian noise added to
+        the rollout engine's logits at every sampled token (``RolloutEngine(logit_noise=...)``; 0:
+        none).
     minibatches : int, default 1
         Mini-batch updates per step (N >= 1); each is its own optimizer step, so N > 1 makes updates
         2..N off-policy.
@@ -128,6 +132,7 @@ class TrainConfig:
     estimator: str = "dapo"
     replay: str = "none"
     rollout_precision: str = "fp32"
+    rollout_logit_noise: float = 0.0
     minibatches: int = 1
     group_size: int = 4
     prompts_per_step: int = 8
@@ -288,6 +293,8 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
             raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)}")
     if cfg.grad_clip < 0 or (cfg.kl_coef is not None and cfg.kl_coef < 0):
         raise ValueError("grad_clip, kl_coef: must be >= 0")
+    if not cfg.rollout_logit_noise >= 0:
+        raise ValueError(f"rollout_logit_noise: must be >= 0, got {cfg.rollout_logit_noise}")
     if not cfg.load_balancing_coef >= 0:
         raise ValueError(f"load_balancing_coef: must be >= 0, got {cfg.load_balancing_coef}")
     if cfg.load_balancing_coef > 0 and cfg.dense:

@@ -101,11 +101,20 @@ class RolloutEngine:
         Source of the selection bias (required when ``selection_noise > 0``; any device).
     device : optional
         Device of the engine (default: the model's).
+    logit_noise : float, default 0.0
+        The engine-mismatch dial beyond the precision: standard deviation ``sigma`` of Gaussian
+        noise added to every next-token logit before sampling (and before the temperature),
+        drawn afresh at every decoding step from the sampling generator. It stands for kernels
+        that are not batch-invariant: the same prefix gets other logits in another call. For
+        small ``sigma`` the expected ``KL(mu || pi_old)`` of a token is about
+        ``sigma^2 (1 - sum_v pi_v^2) / (2 T^2)`` at temperature ``T`` (second order in the
+        perturbation; 0 where ``pi`` is one-hot). 0 (the default) draws nothing and samples
+        exactly as without it.
     """
 
     def __init__(self, model: MoETransformer, *, precision: str = "fp32",
                  selection_noise: float = 0.0, generator: torch.Generator | None = None,
-                 device=None) -> None:
+                 device=None, logit_noise: float = 0.0) -> None:
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model: expected a MoETransformer, got {type(model).__name__}")
         if precision not in PRECISIONS:
@@ -115,6 +124,10 @@ class RolloutEngine:
             raise ValueError(f"selection_noise: expected a number >= 0, got {selection_noise!r}")
         if selection_noise > 0 and not isinstance(generator, torch.Generator):
             raise TypeError("generator: a torch.Generator is required when selection_noise > 0")
+        if isinstance(logit_noise, bool) or not isinstance(logit_noise, (int, float)) \
+                or not 0 <= logit_noise < float("inf"):
+            raise ValueError(f"logit_noise: expected a finite number >= 0, got {logit_noise!r}")
+        self.logit_noise = float(logit_noise)
         self.precision = precision
         self.dtype = PRECISIONS[precision]
         self.device = model.embed.device if device is None else torch.device(device)
@@ -168,10 +181,11 @@ class RolloutEngine:
         eos_id : int
             The token that ends a response (kept as its last token).
         generator : torch.Generator
-            The only source of randomness (on the engine's device).
+            The only source of randomness (on the engine's device): the samples and, with
+            ``logit_noise > 0``, the noise.
         temperature : float
             Logits are divided by it; ``behavior_logprob`` is the log-prob under that tempered
-            distribution (the one actually sampled from).
+            (and, with ``logit_noise``, perturbed) distribution: the one actually sampled from.
         use_cache : bool
             Decode with a KV cache (default) or recompute the whole prefix at every step.
         groups, prompt_index : optional, ``[S]``
@@ -213,6 +227,9 @@ class RolloutEngine:
         next_logits_BV = out.logits_RCV[rows_B, plen_B - 1]
 
         for step in range(max_new_tokens):
+            if self.logit_noise > 0:  # the mismatch dial: fresh noise per call and step
+                next_logits_BV = next_logits_BV.float() + self.logit_noise * torch.randn(
+                    next_logits_BV.shape, generator=generator, device=dev)
             lp_BV = torch.log_softmax(next_logits_BV.float() / temperature, dim=-1)
             y_B = torch.multinomial(lp_BV.exp(), 1, generator=generator).squeeze(1)
             # written with torch.where, not boolean indexing: the writes need no host sync (a

@@ -103,7 +103,8 @@ class _Run:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay)
-        self.engine = RolloutEngine(self.model, precision=cfg.rollout_precision)
+        self.engine = RolloutEngine(self.model, precision=cfg.rollout_precision,
+                                    logit_noise=cfg.rollout_logit_noise)
         self.sample_gen = torch.Generator(device=self.device).manual_seed(cfg.seed + self.rank)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * self.rank)
         self.rng = np.random.default_rng(cfg.seed)  # the same on every rank: the step's prompts
