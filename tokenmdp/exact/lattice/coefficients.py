@@ -7,8 +7,8 @@ KL-in-loss term), and the weight ``W_i`` on the group's lengths only. Neither is
 here:
 
 * :func:`token_coefficients` evaluates ``φ`` on every ``(t, z, a)`` at once by calling
-  :func:`tokenmdp.estimators.loss` on a probe batch (one row per node, its ``V`` tokens as the
-  response, loss weight 1, advantage ``A``) and differentiating by autograd:
+  :func:`tokenmdp.estimators.loss` on a probe batch (one row per position, the ``K·V`` node
+  tokens as its response, loss weight 1, advantage ``A``) and differentiating by autograd:
   ``φ = −∂ loss / ∂ log π``;
 * :func:`length_weights` calls :func:`tokenmdp.estimators.prepare` on probe groups of chosen
   lengths and recognises ``W_i = w_0`` (sequence-mean of token sums, constant normalizer, token
@@ -180,21 +180,21 @@ def token_coefficients(estimator: Estimator, advantage: float, logprob: torch.Te
         The coefficient of the score ``∇ log π(a|t,z)`` of a token with loss weight 1.
     """
     T, K, V = logprob.shape
-    R = T * K
-    cols = torch.arange(V + 1)
+    R, W = T, K * V                      # one probe row per position: its K·V (z, a) entries
+    cols = torch.arange(W + 1)
     tokens = torch.cat([torch.zeros(R, 1, dtype=torch.long),
-                        torch.arange(V).expand(R, V)], dim=1)
-    mask = (cols >= 1).expand(R, V + 1)
+                        torch.arange(V).repeat(K).expand(R, W)], dim=1)
+    mask = (cols >= 1).expand(R, W + 1)
 
     def per_token(table):
-        return torch.cat([table.new_zeros(R, 1), table.reshape(R, V)], dim=1)
+        return torch.cat([table.new_zeros(R, 1), table.reshape(R, W)], dim=1)
 
     maskf = mask.to(torch.float64)
-    batch = TokenBatch(tokens=tokens, sequence_id=torch.arange(R)[:, None].expand(R, V + 1),
-                       position=cols.expand(R, V + 1), loss_mask=mask,
+    batch = TokenBatch(tokens=tokens, sequence_id=torch.arange(R)[:, None].expand(R, W + 1),
+                       position=cols.expand(R, W + 1), loss_mask=mask,
                        advantage=maskf * float(advantage), loss_weight=maskf,
                        reward=torch.zeros(R, dtype=torch.float64),
-                       group=torch.arange(R), length=torch.full((R,), V),
+                       group=torch.arange(R), length=torch.full((R,), W),
                        prompt_index=torch.zeros(R, dtype=torch.long),
                        **{k: per_token(v) for k, v in fields.items()})
     lp = per_token(logprob.detach()).requires_grad_(True)
