@@ -82,6 +82,16 @@ def test_exact_scaling_benchmark_small():
     assert all(float(r[-1]) < 1e-12 for r in rows), out
 
 
+def test_lattice_benchmark_small(tmp_path):
+    figure = tmp_path / "long_responses.png"
+    out = run_script("lattice.py", "--lengths", "8", "16", "--states", "4", "--vocab", "3",
+                     "--sigmas", "0.0", "0.3", "--timing-length", "32", "--skip-all",
+                     "--figure", str(figure))
+    for title in ("1. sequence IS", "2. cosine", "3. first-order gap", "timings at T = 32"):
+        assert title in out, out
+    assert figure.stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_acceptance_quick(tmp_path):
     run_script("acceptance.py", "--quick", "--out", str(tmp_path))

@@ -1,0 +1,208 @@
+"""Exact results at LLM lengths on the lattice (:mod:`tokenmdp.exact.lattice`): tables, a figure,
+and the timing targets.
+
+A random reward automaton with ``K`` states and 0/1 rewards over a vocabulary of ``V`` tokens;
+the policy's logits depend on the state only (tiled over positions, so the per-token mismatch
+is the same at every length) with EOS made rare enough that ``E|y|`` grows with ``T``; the
+engine ``μ`` adds a fixed logit perturbation of standard deviation σ per (state, token).
+
+1. ``log E_μ[ρ²]`` of sequence IS (``ρ = π_old/μ``, exact, in log space) against ``T``, beside
+   ``T · log(1 + χ²_token)`` (the per-token χ² averaged over ``μ``'s visitation);
+2. the cosine to ``∇J`` of the exact mean gradient of ``minirl``, ``minirl_no_is`` and
+   ``minirl_len_norm`` (``G`` responses per step) against ``T`` at fixed σ, and against σ at
+   the largest ``T``;
+3. the first-order gap ``|J(π) − L_{π_old}(π)|`` and its trust-region bound ``2 ε α² T(T − 1)``
+   against ``T`` for a fixed stale step (the same logit change at every node).
+
+Timing targets (one thread, ``T = 4096``, ``K = 32``, ``V = 8``): ``J + ∇J`` within 1 s; one
+estimator's exact mean and variance at ``G = 8`` within 10 s; every registry estimator the
+lattice computes exactly within 3 minutes (``--skip-all`` leaves the last out).
+
+Usage: ``python benchmarks/lattice.py [--lengths 16 64 256 1024 4096] [--states 32] [--vocab 8]
+[--figure docs/_static/long_responses.png]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenmdp import estimators
+from tokenmdp.exact import lattice as L
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS_S = {"J + ∇J": 1.0, "one estimator, G = 8": 10.0, "all exact estimators, G = 8": 180.0}
+COSINE_ESTIMATORS = ("minirl", "minirl_no_is", "minirl_len_norm")
+
+
+def world(T: int, K: int, V: int, sigma: float, seed: int = 0):
+    """The lattice, ``π_θ`` (state-only logits, EOS rare) and the engine ``μ`` at σ."""
+    rng = np.random.default_rng(seed)
+    rewards = rng.permutation(np.arange(K) % 2).astype(float)         # half the states pay 1
+    aut = L.RewardAutomaton(_reachable_table(rng, K, V), rewards)
+    mdp = L.LatticeMDP(aut, T)
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(K, V, generator=g, dtype=torch.float64)
+    base[:, -1] -= math.log(T)                        # EOS about 1/T per token: E|y| ~ T
+    noise = torch.randn(K, V, generator=g, dtype=torch.float64) * sigma
+    pi = L.LatticePolicy(mdp, logits=base.expand(T, K, V))
+    mu = L.LatticePolicy(mdp, logits=(base + noise).expand(T, K, V)).requires_grad_(False)
+    return mdp, pi, mu
+
+
+def _reachable_table(rng, K: int, V: int) -> np.ndarray:
+    """A random ``[K, V − 1]`` table in which state ``i + 1`` is reachable from state ``i``."""
+    table = rng.integers(0, K, size=(K, V - 1))
+    table[np.arange(K - 1), rng.integers(0, V - 1, K - 1)] = np.arange(1, K)
+    return table
+
+
+def sequence_is_table(lengths, K, V, sigma):
+    rows = []
+    for T in lengths:
+        mdp, pi, mu = world(T, K, V, sigma)
+        log_m2 = float(L.log_second_moment(mdp, pi, mu))
+        chi_tok = float(L.chi_square(mdp, pi, mu, level="token"))
+        rows.append((T, float(L.expected_length(mdp, pi).detach()), log_m2,
+                     T * math.log1p(chi_tok)))
+    print(f"\n1. sequence IS: log E_mu[rho^2] against T (sigma = {sigma})")
+    print(f"{'T':>6} {'E|y|':>9} {'log E[rho^2]':>14} {'T log(1+chi2_tok)':>18}")
+    for T, n, a, b in rows:
+        print(f"{T:>6} {n:>9.1f} {a:>14.4f} {b:>18.4f}")
+    return rows
+
+
+def cosines(mdp, pi, mu, G):
+    out = {}
+    for name in COSINE_ESTIMATORS:
+        m = L.moments(mdp, pi, estimators.get(name), group_size=G, behavior=mu, old=pi)
+        out[name] = m.cosine
+    return out
+
+
+def cosine_tables(lengths, sigmas, K, V, sigma, G):
+    by_T = [(T, cosines(*world(T, K, V, sigma), G)) for T in lengths]
+    by_sigma = [(s, cosines(*world(lengths[-1], K, V, s), G)) for s in sigmas]
+    for title, key, rows in ((f"against T (sigma = {sigma})", "T", by_T),
+                             (f"against sigma (T = {lengths[-1]})", "sigma", by_sigma)):
+        print(f"\n2. cosine(E[g], grad J), G = {G}, {title}")
+        print(f"{key:>7} " + " ".join(f"{n:>16}" for n in COSINE_ESTIMATORS))
+        for x, c in rows:
+            print(f"{x:>7g} " + " ".join(f"{c[n]:>16.5f}" for n in COSINE_ESTIMATORS))
+    return by_T, by_sigma
+
+
+def first_order_table(lengths, K, V, step):
+    rows = []
+    for T in lengths:
+        mdp, pi, _ = world(T, K, V, 0.0)
+        g = torch.Generator().manual_seed(1)
+        u = torch.randn(K, V, generator=g, dtype=torch.float64)
+        old = L.LatticePolicy(mdp, logits=pi.logits.detach() - step * u / u.norm())
+        with torch.no_grad():
+            gap = abs(float(L.objective(mdp, pi) - L.surrogate(mdp, pi, old)))
+        rows.append((T, gap, float(L.trust_region_bound(mdp, pi, old))))
+    print(f"\n3. first-order gap |J - L_old| and its bound, stale step {step} per node")
+    print(f"{'T':>6} {'gap':>12} {'bound':>12}")
+    for T, gap, bound in rows:
+        print(f"{T:>6} {gap:>12.4e} {bound:>12.4e}")
+    return rows
+
+
+def timings(T, K, V, G, sigma, all_estimators: bool):
+    mdp, pi, mu = world(T, K, V, sigma)
+    ref = L.LatticePolicy(mdp, logits=pi.logits.detach() * 0.9).requires_grad_(False)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        L.objective(mdp, pi)
+    L.gradient(mdp, pi)
+    results = {"J + ∇J": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    m = L.moments(mdp, pi, estimators.get("minirl"), group_size=G, behavior=mu, old=pi)
+    assert m.method == "lattice"
+    results["one estimator, G = 8"] = time.perf_counter() - t0
+    names = [n for n in estimators.names() if L.exact_support(estimators.get(n), G)[0]]
+    if all_estimators:
+        t0 = time.perf_counter()
+        for n in names:
+            L.moments(mdp, pi, estimators.get(n), group_size=G, behavior=mu, old=pi,
+                      reference=ref, method="lattice")
+        results["all exact estimators, G = 8"] = time.perf_counter() - t0
+    print(f"\ntimings at T = {T}, K = {K}, V = {V}, G = {G} ({torch.get_num_threads()} thread(s))")
+    print(f"{'what':<30} {'seconds':>9} {'target':>8}  verdict")
+    for what, s in results.items():
+        target = TARGETS_S[what] if (T, K, V, G) == (4096, 32, 8, 8) else None
+        verdict = "-" if target is None else ("met" if s <= target else "MISSED")
+        shown = "-" if target is None else f"{target:g}"
+        print(f"{what:<30} {s:>9.2f} {shown:>8}  {verdict}")
+    print(f"exact on the lattice at G = {G}: {len(names)} registry estimators: {', '.join(names)}")
+    return results
+
+
+def figure(path, seq_rows, by_T, by_sigma, fo_rows, sigma, G):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(10, 7.5))
+    T = [r[0] for r in seq_rows]
+    ax[0, 0].plot(T, [r[2] for r in seq_rows], "o-", label=r"$\log E_\mu[\rho^2]$ (exact)")
+    ax[0, 0].plot(T, [r[3] for r in seq_rows], "s--", label=r"$T\,\log(1+\chi^2_{token})$")
+    ax[0, 0].set(xscale="log", yscale="log", xlabel="T (max response length)",
+                 ylabel="nats", title=f"Sequence IS second moment (σ = {sigma})")
+    for name in COSINE_ESTIMATORS:
+        ax[0, 1].plot([x for x, _ in by_T], [c[name] for _, c in by_T], "o-", label=name)
+        ax[1, 0].plot([x for x, _ in by_sigma], [c[name] for _, c in by_sigma], "o-", label=name)
+    ax[0, 1].set(xscale="log", xlabel="T", ylabel=r"cos(E[ĝ], ∇J)",
+                 title=f"Exact mean gradient vs ∇J, G = {G}, σ = {sigma}")
+    ax[1, 0].set(xlabel="σ (engine logit noise)", ylabel=r"cos(E[ĝ], ∇J)",
+                 title=f"… against the mismatch, T = {by_T[-1][0]}")
+    ax[1, 1].plot([r[0] for r in fo_rows], [r[1] for r in fo_rows], "o-",
+                  label=r"$|J(\pi) - L_{\pi_{old}}(\pi)|$")
+    ax[1, 1].plot([r[0] for r in fo_rows], [r[2] for r in fo_rows], "s--",
+                  label=r"bound $2\epsilon\alpha^2T(T-1)$")
+    ax[1, 1].set(xscale="log", yscale="log", xlabel="T", ylabel="gap",
+                 title="First-order gap, fixed stale step")
+    for a in ax.flat:
+        a.legend(fontsize=8)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"\nfigure: {path}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
+    p.add_argument("--states", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--sigma", type=float, default=0.1, help="engine logit noise of 1. and 2.")
+    p.add_argument("--sigmas", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2, 0.4])
+    p.add_argument("--stale-step", type=float, default=0.05)
+    p.add_argument("--timing-length", type=int, default=4096)
+    p.add_argument("--skip-all", action="store_true",
+                   help="leave out the timing of every exactly computable registry estimator")
+    p.add_argument("--figure", default=str(ROOT / "docs" / "_static" / "long_responses.png"))
+    a = p.parse_args(argv)
+    if a.states < 2 or a.vocab < 2 or min(a.lengths) < 1:
+        print("lattice.py: --states and --vocab must be >= 2, --lengths >= 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    seq_rows = sequence_is_table(a.lengths, a.states, a.vocab, a.sigma)
+    by_T, by_sigma = cosine_tables(a.lengths, a.sigmas, a.states, a.vocab, a.sigma, a.group_size)
+    fo_rows = first_order_table(a.lengths, a.states, a.vocab, a.stale_step)
+    timings(a.timing_length, a.states, a.vocab, a.group_size, a.sigma, not a.skip_all)
+    figure(a.figure, seq_rows, by_T, by_sigma, fo_rows, a.sigma, a.group_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
