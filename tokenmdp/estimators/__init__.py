@@ -4,11 +4,15 @@ An :class:`Estimator` composes five independent parts, each a set of pure functi
 over a :class:`~tokenmdp.batch.TokenBatch` (reading order):
 
 * :mod:`~tokenmdp.estimators.advantages` — rewards and groups → per-sequence advantage;
+  :mod:`~tokenmdp.estimators.baselines` (REINFORCE++-baseline, TRL's batch std, OPO) and
+  :mod:`~tokenmdp.estimators.token_advantages` (per-token: reward-to-go, a KL in every
+  token's reward);
 * :mod:`~tokenmdp.estimators.surrogates`, :mod:`~tokenmdp.estimators.sequence_surrogates` —
   the per-token term (REINFORCE, ratios, PPO clip, CISPO, MiniRL, sequence IS, GSPO);
 * :mod:`~tokenmdp.estimators.soft_surrogates`, :mod:`~tokenmdp.estimators.trust_region_masks`,
   :mod:`~tokenmdp.estimators.per_decision` — SAPO, GMPO, an entropy bonus; DPPO's and OPSM's
-  masks; per-decision IS;
+  masks; per-decision IS; :mod:`~tokenmdp.estimators.covariance_surrogates` — Clip-Cov and
+  KL-Cov;
 * :mod:`~tokenmdp.estimators.corrections` — the detached training–inference factor ``π_old/μ``;
   :mod:`~tokenmdp.estimators.rejection` (verl's rejection masks, factor 1) and
   :mod:`~tokenmdp.estimators.self_normalized` (self-normalized IS over the step);
@@ -46,6 +50,15 @@ from tokenmdp.estimators.aggregation import (
     count_step,
     loss_weights,
 )
+from tokenmdp.estimators.baselines import (
+    GroupMeanBatchStd,
+    OPOBaseline,
+    ReinforcePPBaseline,
+    group_mean_batch_std_advantage,
+    opo_advantage,
+    reinforce_pp_baseline_advantage,
+    weighted_whiten,
+)
 from tokenmdp.estimators.corrections import (
     Correction,
     CorrectionFactor,
@@ -60,6 +73,7 @@ from tokenmdp.estimators.corrections import (
     training_inference_log_weight,
     truncated_importance_weight,
 )
+from tokenmdp.estimators.covariance_surrogates import ClipCov, KLCov, token_covariance
 from tokenmdp.estimators.ctpo import CTPOClip, ctpo_bounds, ctpo_term
 from tokenmdp.estimators.estimator import (
     Estimator,
@@ -67,6 +81,7 @@ from tokenmdp.estimators.estimator import (
     counted_mask,
     prepare,
     step_counts,
+    token_reward_penalty,
 )
 from tokenmdp.estimators.kl import KLPenalty, kl_abs, kl_k1, kl_k2, kl_k3, kl_k3_plus
 from tokenmdp.estimators.per_decision import (
@@ -117,6 +132,7 @@ from tokenmdp.estimators.surrogates import (
     reinforce_term,
     token_ratio_term,
 )
+from tokenmdp.estimators.token_advantages import RewardToGo, TokenAdvantage, reward_to_go
 from tokenmdp.estimators.token_loss import loss, per_micro_batch_token_mean_loss
 from tokenmdp.estimators.trust_region_masks import (
     DPPO,
@@ -150,4 +166,9 @@ __all__ = [
     # issue 15 corrections and CTPO
     "CTPOClip", "RejectionSampling", "SNIS_FACTOR", "SelfNormalizedIS", "ctpo_bounds",
     "ctpo_term", "rejection_keep_mask", "rejection_statistic", "self_normalized_weight",
+    # issue 15 advantages (per-sequence and per-token) and covariance-selected surrogates
+    "ClipCov", "GroupMeanBatchStd", "KLCov", "OPOBaseline", "ReinforcePPBaseline", "RewardToGo",
+    "TokenAdvantage", "group_mean_batch_std_advantage", "opo_advantage",
+    "reinforce_pp_baseline_advantage", "reward_to_go", "token_covariance",
+    "token_reward_penalty", "weighted_whiten",
 ]

@@ -198,6 +198,8 @@ class Advantage:
 
     ``step_S`` assigns sequences to independent optimizer steps stacked in one batch; only parts
     with batch-wide statistics read it (groups never span steps).
+    :func:`~tokenmdp.estimators.prepare` calls :meth:`from_batch`, which parts that need more
+    of the batch than rewards and groups (the response lengths) override.
     """
 
     group_local: bool = True
@@ -205,9 +207,41 @@ class Advantage:
     groups (a micro-batch, a data-parallel rank) computes it exactly. False for batch-wide
     statistics, which need every sequence of the step."""
 
+    couples_sequences: bool = False
+    """True when a sequence's advantage depends on the other sequences through more than their
+    rewards (after a KL-in-reward penalty) and loss-token counts, e.g. through their per-token
+    penalties: the exact lab's exchangeability method, which reduces the other samples to those
+    types, does not apply then."""
+
+    token_level: bool = False
+    """True for parts whose advantages differ from token to token
+    (:class:`~tokenmdp.estimators.token_advantages.TokenAdvantage`); ``prepare`` then calls
+    their ``token_advantages`` instead of :meth:`from_batch`."""
+
     def __call__(self, reward_S: torch.Tensor, group_S: torch.Tensor,
                  step_S: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def from_batch(self, batch, reward_S: torch.Tensor,
+                   step_S: torch.Tensor | None = None) -> torch.Tensor:
+        """The advantage of each sequence of ``batch`` (what :func:`~tokenmdp.estimators.prepare`
+        calls); by default ``self(reward_S, batch.group, step_S)``.
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            Whole groups of the step(s).
+        reward_S : Tensor ``[S]``
+            The rewards the part sees (:func:`~tokenmdp.estimators.advantage_rewards`).
+        step_S : LongTensor ``[S]``, optional
+            Optimizer-step id of each sequence when several steps are stacked.
+
+        Returns
+        -------
+        Tensor ``[S]``
+            One advantage per sequence.
+        """
+        return self(reward_S, batch.group, step_S)
 
     def describe(self) -> str:
         """Short label for tables."""

@@ -29,7 +29,8 @@ from tokenmdp.estimators.corrections import Correction, NoCorrection
 from tokenmdp.estimators.kl import KLPenalty
 from tokenmdp.estimators.surrogates import Surrogate
 
-__all__ = ["Estimator", "advantage_rewards", "counted_mask", "prepare", "step_counts"]
+__all__ = ["Estimator", "advantage_rewards", "counted_mask", "prepare", "step_counts",
+           "token_reward_penalty"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,7 +206,10 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
     1. a KL-in-reward penalty ``β Σ_t k_t`` (from ``old_logprob`` and ``ref_logprob``) is
        subtracted from ``reward`` (the returned batch keeps the environment reward);
     2. ``advantage`` = the estimator's advantage of each sequence on its loss tokens, 0 elsewhere
-       (``batch`` must hold whole groups);
+       (``batch`` must hold whole groups); a token-level advantage part
+       (:class:`~tokenmdp.estimators.token_advantages.TokenAdvantage`) instead gets the
+       environment reward and the per-token penalty (:func:`token_reward_penalty`) and fills
+       each token itself;
     3. ``loss_weight`` = :func:`~tokenmdp.estimators.loss_weights` of the estimator's
        aggregation, with ``num_tokens``, ``num_sequences`` (default: this batch's, see
        :func:`step_counts`) and ``max_len`` (``L_max``, needed by ``Aggregation.CONSTANT``);
@@ -219,7 +223,8 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
 
     ``advantage_S`` (float ``[S]``, optional) replaces steps 1-2: per-sequence advantages the
     caller computed with :func:`advantage_rewards` and the estimator's advantage part over more
-    than this batch (a data-parallel rank's share of a step whose advantage is batch-wide).
+    than this batch (a data-parallel rank's share of a step whose advantage is batch-wide);
+    refused (``ValueError``) for a token-level advantage part.
 
     Parameters
     ----------
@@ -247,13 +252,23 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
     """
     estimator = resolve(estimator)
     estimator._check(batch, "prepare")
-    if advantage_S is None:
-        advantage_S = estimator.advantage(advantage_rewards(batch, estimator), batch.group, step)
-    elif not isinstance(advantage_S, torch.Tensor) or advantage_S.shape != batch.reward.shape \
-            or advantage_S.dtype != batch.dtype:
-        raise ValueError(f"advantage_S: expected a {batch.dtype} tensor of shape "
-                         f"{tuple(batch.reward.shape)}")
-    advantage_RC = torch.where(batch.loss_mask, to_tokens(advantage_S, batch), 0.0)
+    part = estimator.advantage
+    if part.token_level:
+        if advantage_S is not None:
+            raise ValueError(f"advantage_S: the advantage part {part.describe()!r} of estimator "
+                             f"{estimator.name!r} is token-level; it has no per-sequence form, "
+                             "so prepare must compute it from the whole step")
+        advantage_RC = part.token_advantages(batch, batch.reward,
+                                             token_reward_penalty(batch, estimator), step)
+    else:
+        if advantage_S is None:
+            advantage_S = part.from_batch(batch, advantage_rewards(batch, estimator), step)
+        elif not isinstance(advantage_S, torch.Tensor) or \
+                advantage_S.shape != batch.reward.shape or advantage_S.dtype != batch.dtype:
+            raise ValueError(f"advantage_S: expected a {batch.dtype} tensor of shape "
+                             f"{tuple(batch.reward.shape)}")
+        advantage_RC = to_tokens(advantage_S, batch)
+    advantage_RC = torch.where(batch.loss_mask, advantage_RC, 0.0)
     weights = loss_weights(batch, estimator.aggregation, num_tokens=num_tokens,
                            num_sequences=num_sequences, max_len=max_len,
                            mask=counted_mask(batch, estimator), step=step,
@@ -262,6 +277,33 @@ def prepare(batch: TokenBatch, estimator: Estimator, *, num_tokens: int | None =
     for part in (estimator.surrogate, estimator.correction):
         prepared = part.prepare_step(prepared, step)
     return prepared
+
+
+def token_reward_penalty(batch: TokenBatch, estimator: Estimator) -> torch.Tensor:
+    """Float ``[R, C]``: the per-token KL-in-reward penalty ``β k(log π_old, log π_ref)`` on the
+    loss tokens (0 elsewhere, and everywhere without a penalty in the reward), what a token-level
+    advantage part (:class:`~tokenmdp.estimators.token_advantages.TokenAdvantage`) distributes.
+    Its sequence sums are the penalty :func:`advantage_rewards` subtracts.
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        The batch, with ``old_logprob`` and ``ref_logprob`` when the penalty is in the reward.
+    estimator : Estimator or str
+        The estimator, or a registry name.
+
+    Returns
+    -------
+    Tensor ``[R, C]``
+        ``β k_t`` of each loss token.
+    """
+    estimator = resolve(estimator)
+    estimator._check(batch, "prepare")
+    kl = estimator.kl
+    if kl is None or not kl.in_reward:
+        return torch.zeros_like(batch.advantage)
+    k = kl.estimator(batch.old_logprob, batch.ref_logprob)
+    return torch.where(batch.loss_mask, kl.coef * k, 0.0)
 
 
 def advantage_rewards(batch: TokenBatch, estimator: Estimator) -> torch.Tensor:

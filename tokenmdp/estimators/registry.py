@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import difflib
 
-from tokenmdp.estimators import _registry_classic, _registry_zoo  # noqa: F401  (registers the entries)
+from tokenmdp.estimators import (  # noqa: F401  (registers the entries)
+    _registry_baselines,
+    _registry_classic,
+    _registry_zoo,
+)
 from tokenmdp.estimators._registry_core import _ENTRIES, Entry
 from tokenmdp.estimators.estimator import Estimator
 
