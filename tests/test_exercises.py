@@ -17,6 +17,7 @@ import tokenmdp
 from tests._exercises_01_05 import RIGHT_01_05, WRONG_01_05
 from tests._exercises_07 import RIGHT_07, WRONG_07
 from tests._exercises_08 import RIGHT_08, WRONG_08
+from tests._exercises_09 import RIGHT_09, WRONG_09
 from tokenmdp import exercises
 from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators import GSPO, PPOClip, TokenRatio, loss, prepare
@@ -138,6 +139,8 @@ RIGHT.update(RIGHT_08)      # tutorial 8: tests/_exercises_08.py
 WRONG.update(WRONG_08)
 RIGHT.update(RIGHT_07)      # tutorial 7: tests/_exercises_07.py
 WRONG.update(WRONG_07)
+RIGHT.update(RIGHT_09)      # tutorial 9: tests/_exercises_09.py
+WRONG.update(WRONG_09)
 
 
 def test_every_registered_exercise_has_a_right_and_a_wrong_answer_here():

@@ -140,6 +140,30 @@ class ReplayWorld:
         """
         return expected_flip_fraction(self.mdp, self.engine_routing, self.old_routing, self.mu)
 
+    def engine_at(self, model: MoETransformer) -> MoETransformer:
+        """The float64 engine at ``model``'s weights: a differentiable copy of ``model`` with the
+        engine's selection bias, so ``∇J`` of it is the gradient of the objective of the policy
+        that samples. Only for an ``fp64`` engine (one that differs only in its selection).
+
+        Parameters
+        ----------
+        model : MoETransformer
+            The float64 model whose weights the engine holds.
+
+        Returns
+        -------
+        MoETransformer
+            A new float64 model (``requires_grad`` on), the engine's selection biases.
+        """
+        if self.engine.embed.dtype != torch.float64:
+            raise TypeError(f"engine: its gradient is exact only for an fp64 engine, this one "
+                            f"computes in {self.engine.embed.dtype}")
+        out = copy.deepcopy(model).requires_grad_(True)
+        for mine, theirs in zip(out.blocks, self.engine.blocks):
+            if hasattr(mine.mlp, "selection_bias"):
+                mine.mlp.selection_bias.copy_(theirs.mlp.selection_bias)
+        return out
+
     def stale(self, distance: float, direction: torch.Tensor | None = None) -> MoETransformer:
         """A copy of ``old`` moved by ``distance`` along ``direction`` (default ``∇J(π_old)``,
         normalized): the model of a later mini-batch update.
@@ -182,6 +206,9 @@ class ReplayGradient:
         (:func:`~tokenmdp.exact.surrogate`): the first-order target.
     variance : float
         ``tr Cov[ĝ]``.
+    engine_grad : Tensor ``[num_params]`` or None
+        ``∇J`` of the engine's policy ``μ_θ`` at the same weights (:meth:`ReplayWorld.engine_at`;
+        None unless the engine is ``fp64``): the gradient of the policy that samples.
     """
 
     mean: torch.Tensor
@@ -189,6 +216,7 @@ class ReplayGradient:
     replayed_grad: torch.Tensor
     surrogate_grad: torch.Tensor
     variance: float
+    engine_grad: torch.Tensor | None = None
 
     @property
     def relative_bias(self) -> float:
@@ -204,6 +232,13 @@ class ReplayGradient:
     def target_shift(self) -> float:
         """``‖∇J(replayed) − ∇J(π_θ)‖ / ‖∇J(π_θ)‖``: the bias of the replay itself."""
         return float((self.replayed_grad - self.true_grad).norm() / self.true_grad.norm())
+
+    @property
+    def engine_bias(self) -> float:
+        """``‖E ĝ − ∇J(μ_θ)‖ / ‖∇J(μ_θ)‖`` (NaN without ``engine_grad``)."""
+        if self.engine_grad is None:
+            return float("nan")
+        return float((self.mean - self.engine_grad).norm() / self.engine_grad.norm())
 
     @property
     def cosine(self) -> float:
@@ -240,7 +275,8 @@ def replay_gradient(world: ReplayWorld, model: MoETransformer, estimator,
     Returns
     -------
     ReplayGradient
-        ``E[ĝ]``, ``∇J`` free and replayed, the surrogate's gradient and the variance.
+        ``E[ĝ]``, ``∇J`` free and replayed, the surrogate's gradient, the variance and (for an
+        ``fp64`` engine) the engine's ``∇J``.
     """
     if not isinstance(world, ReplayWorld):
         raise TypeError(f"world: expected a ReplayWorld, got {type(world).__name__}")
@@ -248,8 +284,10 @@ def replay_gradient(world: ReplayWorld, model: MoETransformer, estimator,
     m = moments(world.mdp, policy, estimator, group_size=group_size, behavior=world.mu,
                 old=world.old_policy(replay), method=method)
     free = RoutedPolicy(world.mdp, model)
+    engine = (gradient(world.mdp, world.engine_at(model))
+              if world.engine.embed.dtype == torch.float64 else None)
     with torch.enable_grad():
         sur = flat_grad(surrogate(world.mdp, free, RoutedPolicy(world.mdp, world.old)), free)
     return ReplayGradient(mean=m.mean, true_grad=gradient(world.mdp, free),
                           replayed_grad=gradient(world.mdp, policy), surrogate_grad=sur,
-                          variance=m.total_variance)
+                          variance=m.total_variance, engine_grad=engine)

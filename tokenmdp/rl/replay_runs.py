@@ -62,6 +62,9 @@ class RunTrace:
         The trainer's ``routing_mismatch`` of the step's sampled batch.
     logged_kl : list of float
         The trainer's ``train_infer_kl_k3`` of the step's sampled batch.
+    engine_J : list of float
+        The exact ``J`` of the engine's policy ``μ`` (synced to the model) before the first step
+        and after every step: the objective of the policy that samples (and is served).
     """
 
     J: list
@@ -69,6 +72,7 @@ class RunTrace:
     train_infer_kl: list
     logged_mismatch: list
     logged_kl: list
+    engine_J: list
 
 
 def _rewards(mdp: TokenMDP, batch) -> torch.Tensor:
@@ -149,9 +153,9 @@ def mdp_training_run(mdp: TokenMDP, model: MoETransformer, estimator, *,
     gen = torch.Generator().manual_seed(seed)
     shuffle = torch.Generator().manual_seed(seed + 1)
     capacity = max(len(p) for p in mdp.prompts) + mdp.max_len
-    trace = RunTrace([float(objective(mdp, model).detach())], [], [], [], [])
-    for _ in range(steps):
-        engine.sync(model)
+    trace = RunTrace([float(objective(mdp, model).detach())], [], [], [], [], [])
+    trace.engine_J.append(float(objective(mdp, EnginePolicy(mdp, engine.model))))
+    for _ in range(steps):  # the engine holds the model's weights (synced at the end of each step)
         flips, kl = _exact_step_stats(mdp, model, engine, replay)
         trace.flip_fraction.append(flips)
         trace.train_infer_kl.append(kl)
@@ -174,4 +178,6 @@ def mdp_training_run(mdp: TokenMDP, model: MoETransformer, estimator, *,
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         trace.J.append(float(objective(mdp, model).detach()))
+        engine.sync(model)
+        trace.engine_J.append(float(objective(mdp, EnginePolicy(mdp, engine.model))))
     return trace
