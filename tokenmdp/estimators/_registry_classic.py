@@ -187,7 +187,9 @@ _TIS_ALIASES = ("verl algorithm.rollout_correction.rollout_is=token, rollout_is_
                 "(verl's default rollout_is is 'sequence'); TRL "
                 "vllm_importance_sampling_mode='token_truncate', clip_max=2 (TRL's defaults are "
                 "'sequence_mask' and 3: the *_trl_mis entries); ms-swift token_truncate")
-_MIS_ALIASES = "IcePop; ms-swift token_mask; NeMo RL ICE-POP"
+_MIS_ALIASES = ("IcePop; verl algorithm.rollout_correction.rollout_is=token, "
+                "rollout_is_threshold='0.5_5.0' (its decoupled_token_icepop preset: weights "
+                "zeroed, response_mask kept); ms-swift token_mask; NeMo RL ICE-POP")
 
 
 _TIS_TERM = "each token's surrogate term × sg(min(π_old/μ, 2))"
