@@ -120,6 +120,35 @@ def test_clip_cov_gradient_is_the_ppo_gradient_times_the_scale():
     assert metrics["clip_fraction"] >= 0.5
 
 
+def test_the_expected_selection_is_the_average_over_every_draw():
+    # a uniform draw of k of the n candidates: averaging the loss over all C(n, k) draws gives
+    # the 'expected' estimator (each candidate kept with probability 1 - k/n)
+    batch = _random_step(5)
+    lp = (batch.old_logprob + 0.2 * torch.randn(batch.tokens.shape, dtype=torch.float64,
+                                                generator=torch.Generator().manual_seed(6))
+          ).requires_grad_(True)
+    part = ClipCov(ratio=0.2, cov_low=0.0, cov_high=3.0, selection="expected")
+    est = E.Estimator(surrogate=part, advantage=E.GroupNormalized())
+    step = E.prepare(batch, est)
+    scale = step.token_extras[CLIP_COV_SCALE]
+    cells = (scale < 1).nonzero().tolist()
+    n, k = len(cells), int(0.2 * int(batch.loss_mask.sum()))
+    assert n > k >= 2 and float(scale[cells[0][0], cells[0][1]]) == pytest.approx(1 - k / n)
+    draws = list(itertools.combinations(range(n), k))
+    total = 0.0
+    for draw in draws:
+        drawn = torch.ones_like(scale)
+        for i in draw:
+            drawn[cells[i][0], cells[i][1]] = 0.0
+        fixed = step.replace(token_extras={CLIP_COV_SCALE: drawn})
+        total = total + E.loss(lp, fixed, est)[0]
+    mean = total / len(draws)
+    value = E.loss(lp, step, est)[0]
+    assert float(value.detach()) == pytest.approx(float(mean.detach()), abs=EXACT)
+    torch.testing.assert_close(torch.autograd.grad(value, lp)[0],
+                               torch.autograd.grad(mean, lp)[0], rtol=0, atol=EXACT)
+
+
 def _loop_kl_cov(batch, ratio):
     """KL-Cov's selection written out: the ⌊k N⌋ (at least 1) largest covariances."""
     cov = token_covariance(batch)[batch.loss_mask].tolist()

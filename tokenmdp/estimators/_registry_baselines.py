@@ -43,7 +43,7 @@ def reinforce_pp_baseline() -> Estimator:
 @_register("reinforce_pp_kl",
            formula="-1/N Σ_t min(r_t Â_t, clip(r_t, 0.8, 1.2) Â_t), Â_t = whiten_tokens((R_i - "
                    "mean_g R) - β Σ_{s>=t} k1_s), k1_s = log π_old(y_s) - log π_ref(y_s), β = 0.01",
-           paper="Hu et al. (REINFORCE++), arXiv 2501.03262, Sec. 3",
+           paper="Hu et al. (REINFORCE++), arXiv 2501.03262, token-level KL penalty",
            aliases="OpenRLHF advantage_estimator=reinforce_baseline without use_kl_loss "
                    "(init_kl_coef 0.01, kl_estimator k1, eps_clip 0.2, gamma 1, advantages "
                    "whitened over the batch's tokens with the population variance, floored at "

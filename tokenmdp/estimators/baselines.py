@@ -177,7 +177,7 @@ def group_mean_batch_std_advantage(reward_S: torch.Tensor, group_S: torch.Tensor
 def opo_advantage(reward_S: torch.Tensor, group_S: torch.Tensor,
                   length_S: torch.Tensor) -> torch.Tensor:
     """``A_i = R_i - b_g``, ``b_g = Σ_{j in g} |y_j| R_j / Σ_{j in g} |y_j|``: OPO's optimal
-    baseline (Hao et al., "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585, Eq. 4;
+    baseline (Hao et al., "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585;
     verl ``adv_estimator=opo``).
 
     The length-weighted mean of the group's rewards minimizes the gradient variance when

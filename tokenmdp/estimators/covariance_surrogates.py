@@ -1,6 +1,6 @@
 """Clip-Cov and KL-Cov: surrogates that restrain the tokens of largest covariance between
 ``log π`` and ``Â`` (Cui et al., "The Entropy Mechanism of Reinforcement Learning for Reasoning
-Language Models", arXiv 2505.22617, Sec. 5; verl ``policy_loss.loss_mode=clip_cov`` / ``kl_cov``).
+Language Models", arXiv 2505.22617; verl ``policy_loss.loss_mode=clip_cov`` / ``kl_cov``).
 
 Under policy gradient the entropy falls by about the covariance of ``log π(y_t)`` and ``Â_t``
 over the batch, so the paper restrains the tokens that carry the most of it. The per-token
@@ -89,7 +89,7 @@ def _per_step_mean(values_RC, mask_RC, step_RC, num):
 
 def token_covariance(batch: TokenBatch, step: torch.Tensor | None = None) -> torch.Tensor:
     """``cov_t = (Â_t - mean Â)(log π_old(y_t) - mean log π_old)``, means over the loss tokens of
-    each step (Cui et al., arXiv 2505.22617, Eq. 10 per token).
+    each step (the per-token term of the covariance in Cui et al., arXiv 2505.22617).
 
     Parameters
     ----------

@@ -111,7 +111,7 @@ class RewardToGo(TokenAdvantage):
     ``var = Σ (A - m)² / (N - ddof)`` (OpenRLHF: ``ddof = 0``, the variance floored at 1e-8
     rather than incremented; verl: ``ddof = 1``, ``+ 1e-8``). Without a penalty and without
     whitening it is the per-sequence group mean broadcast to the tokens. Paper: Hu et al.
-    (REINFORCE++), arXiv 2501.03262, Sec. 3 (token-level KL penalty, global normalization).
+    (REINFORCE++), arXiv 2501.03262 (token-level KL penalty, global advantage normalization).
 
     Parameters
     ----------
