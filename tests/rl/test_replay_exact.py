@@ -9,6 +9,7 @@ R3 makes π_old = μ when only the expert selection differs, the router gets no 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -181,3 +182,19 @@ def test_bad_inputs_raise_naming_the_argument(world):
         world.stale(0.1, torch.zeros_like(gradient(mdp, world.old)))
     with pytest.raises(TypeError, match="world"):
         replay_gradient(None, world.old, RLOO, "r2")
+
+
+def test_r3s_first_update_follows_the_engines_own_gradient(world):
+    # the engine's selection is locally constant in θ, so the policy with the engine's experts
+    # replayed and the engine itself have the same gradient at θ_old (not at a stale θ)
+    mdp = world.mdp
+    engine_grad = gradient(mdp, world.engine_at(world.old))
+    assert torch.allclose(gradient(mdp, world.policy(world.old, "r3")), engine_grad,
+                          atol=EXACT_TOL, rtol=0)
+    assert (engine_grad - gradient(mdp, world.old)).norm() > 1e-2 * engine_grad.norm()
+    r3 = replay_gradient(world, world.old, RLOO, "r3")
+    assert r3.engine_bias < 1e-10 and r3.relative_bias > 0.05
+    bf16 = ReplayWorld(mdp, world.old, engine_model(world.old, precision="bf16"))
+    with pytest.raises(TypeError, match="engine"):
+        bf16.engine_at(world.old)
+    assert math.isnan(replay_gradient(bf16, world.old, RLOO, "r3").engine_bias)
