@@ -427,17 +427,17 @@ plt.show()
 # * the trainer's logged `routing_mismatch` (none, R2) is the exact flip fraction at the run's
 #   weights, up to sampling noise; under R3 it is 0 by construction (the `old_logprob` pass uses
 #   the engine's experts), while the engines still disagree on the exact flip fraction;
-# * after 10 rollouts the final $J$ of the configurations differ by less than their standard
-#   errors: a bias of 5–30% in the expected direction of one update does not show in ten noisy
-#   updates of 16 responses each;
+# * after 10 rollouts the final $J$ of the configurations are within their standard errors of
+#   each other: a bias of 5–30% in the expected direction of one update does not show in ten
+#   noisy rollouts of 16 responses each;
 # * but *which* policy improves does: with $N = 2$, no replay and R2 leave the trainer's policy
 #   ahead of the engine's ($J(\mu) - J(\pi) < 0$), R3 the engine's ahead of the trainer's — the
-#   sign that section 4 predicts from R3's target. With $N = 8$ both objectives saturate near the
+#   sign that section 4 predicts from R3's target. With $N = 8$ both objectives approach the
 #   task's maximum (2) and the difference fades.
 #
 # ## 6. Failure mode: a trace one token off
 #
-# A replayed trace must be aligned with the tokens it is replayed on. A classic slip when the
+# A replayed trace must be aligned with the tokens it is replayed on. A plausible slip when the
 # engine's records are collected during decoding is an off-by-one: the record made while the
 # token at column $c$ was *sampled* is stored at $c$, although it belongs to the token fed at
 # $c - 1$. The records are still valid (two distinct experts each), so nothing raises; here is
@@ -467,8 +467,9 @@ print(f"target shift of the late trace: {late_shift:.3f} (R3's: {r3_shift_answer
 #
 # Routing replay is not an estimator, so the registry has no entry for it. ms-swift's GRPO
 # documentation calls R2 "Vanilla Routing Replay" and R3 "Rollout Routing Replay"; the
-# trainer here takes `--replay none|r2|r3`. The estimator of the notebook and the one
-# Zheng et al. pair with replay, from the registry:
+# trainer here takes `--replay none|r2|r3`. The notebook's estimator is RLOO with the token ratio
+# (on the first mini-batch the gradient of the registry's `rloo`); MiniRL is the estimator
+# Zheng et al. pair with replay:
 
 # %%
 show(alias_box(["rloo", "minirl"]))
