@@ -11,7 +11,11 @@ import math
 import pytest
 import torch
 from estimator_helpers import make_batch, repack
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from tests.testing.cases import MAX_RESPONSE_LEN, steps
+from tokenmdp import testing
 from tokenmdp.estimators import (
     SNIS_FACTOR,
     Aggregation,
@@ -22,6 +26,7 @@ from tokenmdp.estimators import (
     Reinforce,
     RewardAsAdvantage,
     SelfNormalizedIS,
+    SequenceRatio,
     TokenRatio,
     loss,
     prepare,
@@ -171,6 +176,42 @@ def test_loss_is_owens_self_normalized_average_and_so_is_its_gradient(level):
     assert float(value.detach()) == pytest.approx(float(expected.detach()), abs=EXACT)
     torch.testing.assert_close(torch.autograd.grad(value, x)[0],
                                torch.autograd.grad(expected, y)[0], rtol=0, atol=EXACT)
+
+
+SNIS_ESTIMATORS = [
+    Estimator(name="token_snis", surrogate=TokenRatio(), correction=SelfNormalizedIS(),
+              aggregation=Aggregation.TOKEN_MEAN),
+    Estimator(name="sequence_snis", surrogate=SequenceRatio(),
+              correction=SelfNormalizedIS(level="sequence"),
+              aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_SUM),
+    Estimator(name="geometric_snis_capped", surrogate=TokenRatio(),
+              correction=SelfNormalizedIS(level="geometric", cap=1.5),
+              aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_MEAN),
+]
+
+
+@pytest.mark.parametrize("est", SNIS_ESTIMATORS, ids=lambda e: e.name)
+def test_layout_and_micro_batch_invariant(est):
+    # tokenmdp.testing's checks: the step's factors are decided in prepare, so any layout and
+    # any split into micro-batches give the step's loss and gradient
+    scales = []
+
+    @settings(max_examples=10, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(steps(estimators=st.just(est)), st.lists(testing.layouts(), min_size=2, max_size=2),
+           st.lists(testing.micro_batch_splits(max_micro_batches=4), min_size=2, max_size=2))
+    def prop(step, layouts, splits):
+        batch, estimator, model = step
+        loss_fn = testing.estimator_loss(estimator)
+        prepare_fn = testing.estimator_prepare(estimator, max_len=MAX_RESPONSE_LEN)
+        for report in (testing.check_layout_invariance(loss_fn, batch, layouts,
+                                                       prepare=prepare_fn, model=model),
+                       testing.check_micro_batch_invariance(loss_fn, batch, splits,
+                                                            prepare=prepare_fn, model=model)):
+            report.assert_ok()
+            scales.append(report.gradient_scale)
+    prop()
+    assert any(s > 0 for s in scales)
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
