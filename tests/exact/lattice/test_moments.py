@@ -150,3 +150,13 @@ def test_exact_support_reasons():
         assert not ok and words in why
     assert L.length_weights(estimators.get("minirl_len_norm"), 4, max_len=10) == (0.25, True)
     assert L.length_weights(estimators.get("dr_grpo"), 4, max_len=10) == (1 / 40, False)
+
+
+def test_every_exactly_supported_registry_estimator_equals_enumeration():
+    """Whatever the registry holds: each entry the lattice claims exact at G = 2 matches the
+    enumeration twin."""
+    claimed = [n for n in estimators.names() if L.exact_support(estimators.get(n), 2)[0]]
+    assert {"reinforce", "rloo", "grpo", "minirl", "minirl_len_norm", "dr_grpo"} <= set(claimed)
+    for name in claimed:
+        a, b = both(lattice(), name, 2)
+        assert_equal_moments(a, b)
