@@ -18,6 +18,7 @@ from tests._exercises_01_05 import RIGHT_01_05, WRONG_01_05
 from tests._exercises_07 import RIGHT_07, WRONG_07
 from tests._exercises_08 import RIGHT_08, WRONG_08
 from tests._exercises_09 import RIGHT_09, WRONG_09
+from tests._exercises_10 import RIGHT_10, WRONG_10
 from tokenmdp import exercises
 from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators import GSPO, PPOClip, TokenRatio, loss, prepare
@@ -141,6 +142,8 @@ RIGHT.update(RIGHT_07)      # tutorial 7: tests/_exercises_07.py
 WRONG.update(WRONG_07)
 RIGHT.update(RIGHT_09)      # tutorial 9: tests/_exercises_09.py
 WRONG.update(WRONG_09)
+RIGHT.update(RIGHT_10)      # tutorial 10: tests/_exercises_10.py
+WRONG.update(WRONG_10)
 
 
 def test_every_registered_exercise_has_a_right_and_a_wrong_answer_here():

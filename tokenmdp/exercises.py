@@ -267,7 +267,7 @@ def check(name: str, value) -> None:
         f"Hint: {exercise.hint}")
 
 
-# ---------------------------------------------------------------------- tutorials 1-5, 7, 8 and 9
+# ---------------------------------------------------------------------- tutorials 1-5 and 7-10
 # Registered by their own modules (their setups repeat the tutorials'); imported last, since they
 # use ``_exercise`` and the tolerances above.
-from tokenmdp import _exercises_01_05, _exercises_07, _exercises_08, _exercises_09  # noqa: E402,F401
+from tokenmdp import _exercises_01_05, _exercises_07, _exercises_08, _exercises_09, _exercises_10  # noqa: E402,F401,E501
