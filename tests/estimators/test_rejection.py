@@ -286,3 +286,17 @@ def test_exact_mean_is_the_closed_form(world, part):
     expected = flat_grad((p * (keep * lp).sum(1) * mdp.rewards).sum(), pi)
     torch.testing.assert_close(m.mean, expected, rtol=0, atol=TIE)
     assert 0 < float((batch.loss_mask & (keep == 0)).sum()) < float(batch.loss_mask.sum())
+
+
+def test_extreme_log_ratios_stay_finite_in_float32():
+    # ℓ = ±60 is held at ±20 (as verl holds it): k3 = e^20 - 21 is finite in float32
+    batch = _batch().to(dtype=torch.float32)
+    batch = batch.replace(behavior_logprob=torch.where(
+        (batch.sequence_id == 0) & batch.loss_mask, batch.old_logprob - 60.0,
+        batch.behavior_logprob + 60.0 * batch.loss_mask))
+    for statistic in ("k1", "k2", "k3"):
+        for reduce in ("token", "sum", "mean"):
+            part = RejectionSampling(statistic=statistic, reduce=reduce, high=2.0,
+                                     masked_in_normalizer=False)
+            assert torch.isfinite(part.statistic_RC(batch)).all()
+            assert not bool((part(batch).keep_RC & batch.loss_mask).any())   # all rejected

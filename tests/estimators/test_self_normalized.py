@@ -300,3 +300,39 @@ def test_one_sample_per_step_is_the_uncorrected_estimator(world):
     none = moments(mdp, pi, _sequence_estimator(NoCorrection()), **kw)
     torch.testing.assert_close(snis.mean, none.mean, rtol=0, atol=TIE)
     assert snis.total_variance == pytest.approx(none.total_variance, abs=1e-10)
+
+
+# ------------------------------------------------------------------ edges
+def _two(dtype=torch.float64, log_w=0.1):
+    b = make_batch([[1, 2]] * 2, [[3, 4]] * 2, rewards=[1.0, 0.0], groups=[0, 0],
+                   old=[[-0.1, -0.1]] * 2, behavior=[[-0.1 - log_w, -0.1]] * 2)
+    return b.to(dtype=dtype)
+
+
+@pytest.mark.parametrize("level", list(Level), ids=[lv.value for lv in Level])
+def test_empty_and_all_masked_batches_give_zero_loss(level):
+    from tokenmdp.packing import select_sequences
+
+    est = Estimator(surrogate=TokenRatio(), correction=SelfNormalizedIS(level=level))
+    full = _two()
+    for batch in (select_sequences(full, torch.tensor([], dtype=torch.long)),
+                  full.replace(loss_mask=torch.zeros_like(full.loss_mask))):
+        lp = torch.zeros_like(batch.advantage, requires_grad=True)
+        value, metrics = loss(lp, prepare(batch, est), est)
+        value.backward()
+        assert float(value.detach()) == 0.0 and torch.equal(lp.grad, torch.zeros_like(lp))
+        assert all(math.isfinite(float(v)) for v in metrics.values())
+
+
+@pytest.mark.parametrize("level", list(Level), ids=[lv.value for lv in Level])
+def test_extreme_weights_stay_finite_in_float32(level):
+    # log w = ±60: the weights are held at e^±20 before normalizing, the factors stay finite
+    batch = _two(torch.float32, log_w=60.0)
+    batch = batch.replace(behavior_logprob=torch.where(
+        (batch.sequence_id == 1) & batch.loss_mask, batch.old_logprob + 60.0,
+        batch.behavior_logprob))
+    factor = SelfNormalizedIS(level=level)(batch).factor_RC
+    assert torch.isfinite(factor).all() and bool((factor[batch.loss_mask] >= 0).all())
+    mean = (factor[batch.loss_mask].mean() if level is Level.TOKEN
+            else factor[batch.loss_mask & (batch.position == 2)].mean())
+    assert float(mean) == pytest.approx(1.0, rel=1e-6)
