@@ -183,8 +183,7 @@ def minirl() -> Estimator:
 # ---------------------------------------------------------------------- variants
 _TIS = TruncatedIS(cap=2.0, level=Level.TOKEN)
 _MIS = MaskedIS(low=0.5, high=5.0, level=Level.TOKEN, masked_in_normalizer=True)
-_TIS_ALIASES = ("verl algorithm.rollout_correction.rollout_is=token, rollout_is_threshold=2 "
-                "(verl's default rollout_is is 'sequence'); TRL "
+_TIS_ALIASES = ("verl algorithm.rollout_correction.rollout_is=token, rollout_is_threshold=2; TRL "
                 "vllm_importance_sampling_mode='token_truncate', clip_max=2 (TRL's defaults are "
                 "'sequence_mask' and 3: the *_trl_mis entries); ms-swift token_truncate")
 _MIS_ALIASES = ("IcePop; verl algorithm.rollout_correction.rollout_is=token, "
@@ -240,7 +239,8 @@ _TRL_MIS = MaskedIS(high=3.0, level=Level.SEQUENCE, masked_in_normalizer=True)
 for _base in ("grpo", "dapo"):
     _variant(_base, "trl_mis", "TRL's default training-inference correction: the sequence weight "
              "Π_t π_old/μ, zeroed above 3", "TRL GRPOConfig vllm_importance_sampling_correction="
-             "True, vllm_importance_sampling_mode='sequence_mask', clip_max 3.0 (its defaults; "
-             "the masked sequences stay in the normalizer)",
+             "True, vllm_importance_sampling_mode='sequence_mask', "
+             "vllm_importance_sampling_clip_max 3.0 (its defaults; vllm_importance_sampling_cap "
+             "in earlier releases; the masked sequences stay in the normalizer)",
              formula="; each sequence's terms × sg(W_i) 1[W_i ≤ 3], W_i = Π_t π_old/μ (rejects "
                      "stay in the normalizer)", correction=_TRL_MIS)
