@@ -124,6 +124,44 @@ def _random_step(seed, n=6):
     return batch, lp
 
 
+def _verl_batch_normalized(log_ratio, mask, level, cap):
+    """A transcription of verl's ``rollout_is_batch_normalize`` on padded rows: the weights
+    (token, or exp of the row's sum) truncated at ``cap``, divided by their mean over the valid
+    tokens (token) or over the rows' per-row means (sequence)."""
+    m = mask.to(log_ratio.dtype)
+    if level == "token":
+        w = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    else:
+        w = torch.exp((log_ratio * m).sum(-1, keepdim=True).clamp(-20.0, 20.0)).expand_as(m)
+    w = (w * m).clamp(max=cap)
+    if level == "token":
+        mean = (w * m).sum() / m.sum()
+    else:
+        per_row = (w * m).sum(-1) / m.sum(-1)
+        mean = per_row[m.sum(-1) > 0].mean()
+    return w / mean
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_agrees_with_a_transcription_of_verls_batch_normalization(level):
+    batch, _ = _random_step(8)
+    log_w = (batch.old_logprob - batch.behavior_logprob) * batch.loss_mask
+    rows, mask = [], []
+    for s in range(batch.num_sequences):
+        here = (batch.sequence_id == s) & batch.loss_mask
+        order = torch.argsort(batch.position[here])
+        rows.append(log_w[here][order])
+    width = max(len(r) for r in rows)
+    padded = torch.zeros(len(rows), width, dtype=torch.float64)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for s, r in enumerate(rows):
+        padded[s, :len(r)], mask[s, :len(r)] = r, True
+    expected = _verl_batch_normalized(padded, mask, level, cap=2.0)[mask]
+    factor = SelfNormalizedIS(level=level, cap=2.0)(batch).factor_RC
+    assert _per_token(batch, factor) == pytest.approx(expected.tolist(), abs=EXACT)
+    assert not torch.allclose(factor, SelfNormalizedIS(level=level)(batch).factor_RC)  # capped
+
+
 @pytest.mark.parametrize("level", list(Level), ids=[lv.value for lv in Level])
 def test_micro_batches_read_the_step_factors_and_sum_to_the_step_loss(level):
     batch, lp = _random_step(3)
