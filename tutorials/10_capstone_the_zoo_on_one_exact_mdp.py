@@ -300,8 +300,8 @@ show(table([rows[i] for i in order],
 # final $J$ is after 12 updates, and the two $\Delta J$ columns are the final $J$ of the stale
 # and engine runs minus the on-policy one. On-policy every cosine is positive and every entry
 # improves. The entries whose expected gradient points *away* from $\nabla J$ under staleness
-# (a negative stale cosine: sequence-ratio clips whose band the policy has left) are those that
-# lose the most when the rollouts lag:
+# (a negative stale cosine: clips of sequence or prefix ratios whose band the policy has left)
+# are those that lose the most when the rollouts lag:
 
 # %%
 stale_cos, stale_drop = [r[3] for r in rows], [r[7] for r in rows]
