@@ -12,7 +12,7 @@ loss tokens of the step, and ``N`` counts those tokens:
 * **KL-Cov** adds ``-β |log π_θ - log π_old|`` to the unclipped ``r_t Â`` of the ``max(⌊k N⌋,
   1)`` tokens of largest ``cov_t``; every other token keeps ``r_t Â`` (no clip).
 
-The selection is a statistic of the whole step: :meth:`prepare_step` computes it once, from the
+The selection is a statistic of the whole step: ``prepare_step`` computes it once, from the
 detached ``old_logprob`` and ``advantage``, per step when steps are stacked, and stores it in
 ``token_extras`` so that every micro-batch reads the same one (the losses are micro-batch
 invariant). verl recomputes it inside the loss of every micro-batch from the current ``log π_θ``
@@ -181,8 +181,8 @@ class ClipCov(Surrogate):
     """Clip-Cov: PPO clip, with the step's selected high-covariance tokens detached.
 
     ``term_t = s_t · min(r_t Â, clip(r_t, 1-ε_low, 1+ε_high) Â)``, ``s_t = 0`` on the tokens
-    drawn in :meth:`prepare_step` (see the module docstring), else 1. No dual clip, as verl's
-    ``clip_cov``.
+    drawn in :meth:`~tokenmdp.estimators.ClipCov.prepare_step` (see the module docstring),
+    else 1. No dual clip, as verl's ``clip_cov``.
 
     Parameters
     ----------
@@ -277,7 +277,7 @@ class ClipCov(Surrogate):
 @dataclasses.dataclass(frozen=True)
 class KLCov(Surrogate):
     """KL-Cov: ``r_t Â - β m_t |log π_θ - log π_old|``, ``m_t = 1`` on the ``max(⌊k N⌋, 1)``
-    tokens of largest covariance of the step (:meth:`prepare_step`), else 0.
+    tokens of largest covariance of the step (``prepare_step``), else 0.
 
     Ties in the covariance are broken by the same content hash as Clip-Cov's (seed 0), and
     identical tokens at the cut share the places left (``m_t`` = places / ties), so the

@@ -143,7 +143,8 @@ class RewardToGo(TokenAdvantage):
         """False when whitening (a batch-wide statistic), True otherwise."""
         return not self.whiten
 
-    def token_advantages(self, batch, reward_S, penalty_RC, step_S=None):
+    def token_advantages(self, batch, reward_S, penalty_RC, step_S=None):  # numpydoc ignore=PR01,RT01
+        """``A_{i,t}`` of every token (see the class docstring; ``[R, C]``)."""
         _check(reward_S, batch.group)
         if penalty_RC.shape != batch.tokens.shape or penalty_RC.dtype != reward_S.dtype:
             raise ValueError(f"penalty_RC: expected a {reward_S.dtype} tensor of shape "
