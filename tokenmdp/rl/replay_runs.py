@@ -120,7 +120,7 @@ def mdp_training_run(mdp: TokenMDP, model: MoETransformer, estimator, *,
     lr : float, default 1e-2
         AdamW's learning rate.
     precision : str, default "fp32"
-        The rollout engine's numerics (:data:`~tokenmdp.rl.rollout.PRECISIONS`).
+        The rollout engine's numerics: ``fp32``, ``bf16``, ``fp16`` or ``fp8`` (simulated).
     selection_noise : float, default 0.0
         The engine's router-score noise (selection only).
     engine_seed : int, default 0
