@@ -22,7 +22,7 @@ from tokenmdp.estimators import (
     reinforce_pp_baseline_advantage,
     weighted_whiten,
 )
-from tokenmdp.packing import pack_first_fit_decreasing
+from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
 
 EXACT = 1e-12  # float64, a few roundings
 LOOP = 1e-9    # against the loop transcription (different summation orders)
@@ -199,6 +199,30 @@ def test_prepare_reads_the_lengths_from_the_loss_mask_in_any_layout(part):
         b = packed.advantage[(packed.sequence_id == s) & packed.loss_mask]
         torch.testing.assert_close(a, b, rtol=0, atol=EXACT)
         assert a.numel() == 0 or a[0].item() == pytest.approx(float(want[s]), abs=EXACT)
+
+
+@pytest.mark.parametrize("part", [ReinforcePPBaseline(), GroupMeanBatchStd(), OPOBaseline(),
+                                  E.BatchNormalized(), E.GroupNormalized()])
+def test_data_parallel_ranks_get_the_step_advantages_from_gathered_sequences(part):
+    # two ranks with whole groups each: per_sequence over every rank's rewards, groups and
+    # loss-token counts, then prepare(..., advantage_S=share) on each rank = the whole step
+    est = E.Estimator(surrogate=E.Reinforce(), advantage=part)
+    whole = make_batch([[9]] * 6, [[1, 2, 3], [4], [5, 6], [1], [2, 2, 2, 2], [3, 1]],
+                       rewards=[1.0, 0.0, 2.0, 0.5, 0.0, 1.5], groups=[0, 0, 1, 1, 2, 2])
+    ranks = [select_sequences(whole, torch.tensor([0, 1])),
+             select_sequences(whole, torch.tensor([2, 3, 4, 5]))]
+    reward = torch.cat([r.reward for r in ranks])
+    group = torch.cat([r.group + 10 * i for i, r in enumerate(ranks)])   # distinct ids
+    length = torch.cat([r.loss_mask.sum(1) for r in ranks])              # padded rows
+    gathered = part.per_sequence(reward, group, length)
+    shares = gathered.split([r.num_sequences for r in ranks])
+    full = E.prepare(whole, est)
+    for rank, share, ids in zip(ranks, shares, ([0, 1], [2, 3, 4, 5]), strict=True):
+        got = E.prepare(rank, est, advantage_S=share)
+        torch.testing.assert_close(got.advantage, full.advantage[ids], rtol=0, atol=EXACT)
+    if not part.group_local:   # each rank alone would be another estimator
+        alone = E.prepare(ranks[0], est).advantage
+        assert not torch.allclose(alone, full.advantage[[0, 1]])
 
 
 def test_the_parts_need_the_lengths_when_called_on_rewards():

@@ -129,6 +129,8 @@ def test_token_level_parts_refuse_the_per_sequence_paths():
         E.prepare(batch, est, advantage_S=torch.zeros(3, dtype=torch.float64))
     with pytest.raises(TypeError, match="token-level"):
         RewardToGo()(batch.reward, batch.group)
+    with pytest.raises(TypeError, match="token-level"):
+        RewardToGo().per_sequence(batch.reward, batch.group, batch.length)
     assert not RewardToGo().group_local and RewardToGo(whiten=False).group_local
     assert RewardToGo.token_level and RewardToGo.couples_sequences
 

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from tokenmdp.estimators._common import check_nonnegative
+from tokenmdp.estimators._common import check_nonnegative, loss_token_counts
 
 __all__ = [
     "Advantage", "BatchNormalized", "GroupMean", "GroupNormalized", "LeaveOneOut",
@@ -198,8 +198,8 @@ class Advantage:
 
     ``step_S`` assigns sequences to independent optimizer steps stacked in one batch; only parts
     with batch-wide statistics read it (groups never span steps).
-    :func:`~tokenmdp.estimators.prepare` calls :meth:`from_batch`, which parts that need more
-    of the batch than rewards and groups (the response lengths) override.
+    :func:`~tokenmdp.estimators.prepare` calls :meth:`from_batch`, which passes the loss-token
+    counts to :meth:`per_sequence`; parts that weigh by length override :meth:`per_sequence`.
     """
 
     group_local: bool = True
@@ -225,7 +225,7 @@ class Advantage:
     def from_batch(self, batch, reward_S: torch.Tensor,
                    step_S: torch.Tensor | None = None) -> torch.Tensor:
         """The advantage of each sequence of ``batch`` (what :func:`~tokenmdp.estimators.prepare`
-        calls); by default ``self(reward_S, batch.group, step_S)``.
+        calls): :meth:`per_sequence` with the loss-token counts of ``batch``.
 
         Parameters
         ----------
@@ -241,7 +241,33 @@ class Advantage:
         Tensor ``[S]``
             One advantage per sequence.
         """
-        return self(reward_S, batch.group, step_S)
+        return self.per_sequence(reward_S, batch.group, loss_token_counts(batch), step_S)
+
+    def per_sequence(self, reward_S: torch.Tensor, group_S: torch.Tensor,
+                     length_S: torch.Tensor, step_S: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """The advantages from per-sequence data alone: what a data-parallel trainer computes
+        over every rank's gathered rewards, groups and loss-token counts before
+        ``prepare(..., advantage_S=...)`` of its share. By default ``self(reward_S, group_S,
+        step_S)`` (the counts unused); parts that weigh by length use ``length_S``.
+
+        Parameters
+        ----------
+        reward_S : Tensor ``[S]``
+            The rewards the part sees (:func:`~tokenmdp.estimators.advantage_rewards`).
+        group_S : Tensor ``[S]``
+            Integer group id of each sequence.
+        length_S : Tensor ``[S]``
+            ``|y_i|``, the loss tokens of each sequence.
+        step_S : LongTensor ``[S]``, optional
+            Optimizer-step id of each sequence when several steps are stacked.
+
+        Returns
+        -------
+        Tensor ``[S]``
+            One advantage per sequence.
+        """
+        return self(reward_S, group_S, step_S)
 
     def describe(self) -> str:
         """Short label for tables."""

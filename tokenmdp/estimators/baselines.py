@@ -5,8 +5,8 @@ Like :mod:`~tokenmdp.estimators.advantages`, pure functions of float ``[S]`` rew
 ``[S]`` group ids (and, where the formula needs them, the loss-token counts ``|y_i|``), one
 ``index_add`` per statistic, exactly zero deviation where the values averaged are all equal.
 ``step_S`` stacks independent optimizer steps: every batch-wide statistic is then per step.
-The frozen dataclasses at the end are the composable parts; they read ``|y_i|`` from the batch
-(:meth:`~tokenmdp.estimators.Advantage.from_batch`).
+The frozen dataclasses at the end are the composable parts; ``prepare`` gives them ``|y_i|``
+counted from the loss mask (:meth:`~tokenmdp.estimators.Advantage.per_sequence`).
 
 A group of one response: the group mean is its own reward, so its deviation is 0 here, as in
 :class:`~tokenmdp.estimators.GroupMean` (verl sets the baseline of such a group to 0 instead).
@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from tokenmdp.estimators._common import check_nonnegative, loss_token_counts
+from tokenmdp.estimators._common import check_nonnegative
 from tokenmdp.estimators.advantages import Advantage, _check, _group_deviation
 
 __all__ = [
@@ -217,7 +217,7 @@ def opo_advantage(reward_S: torch.Tensor, group_S: torch.Tensor,
 class ReinforcePPBaseline(Advantage):
     """REINFORCE++-baseline (:func:`reinforce_pp_baseline_advantage`): group mean, then token-
     weighted whitening over the step. Batch-wide: a data-parallel rank needs every rank's
-    rewards and lengths (``length_S=``).
+    rewards and lengths (:meth:`~tokenmdp.estimators.Advantage.per_sequence`).
 
     Parameters
     ----------
@@ -239,9 +239,9 @@ class ReinforcePPBaseline(Advantage):
         return reinforce_pp_baseline_advantage(reward_S, group_S, length_S, ddof=self.ddof,
                                                eps=self.eps, step_S=step_S)
 
-    def from_batch(self, batch, reward_S, step_S=None):  # numpydoc ignore=PR01,RT01
-        """The advantages, with ``|y_i|`` counted from ``batch.loss_mask``."""
-        return self(reward_S, batch.group, step_S, length_S=loss_token_counts(batch))
+    def per_sequence(self, reward_S, group_S, length_S, step_S=None):  # numpydoc ignore=PR01,RT01
+        """The advantages, weighted by the loss-token counts ``length_S``."""
+        return self(reward_S, group_S, step_S, length_S=length_S)
 
     def describe(self) -> str:
         """Short label for tables.
@@ -297,9 +297,9 @@ class OPOBaseline(Advantage):
     def __call__(self, reward_S, group_S, step_S=None, *, length_S=None):
         return opo_advantage(reward_S, group_S, length_S)
 
-    def from_batch(self, batch, reward_S, step_S=None):  # numpydoc ignore=PR01,RT01
-        """The advantages, with ``|y_i|`` counted from ``batch.loss_mask``."""
-        return self(reward_S, batch.group, step_S, length_S=loss_token_counts(batch))
+    def per_sequence(self, reward_S, group_S, length_S, step_S=None):  # numpydoc ignore=PR01,RT01
+        """The advantages, weighted by the loss-token counts ``length_S``."""
+        return self(reward_S, group_S, step_S, length_S=length_S)
 
     def describe(self) -> str:
         """Short label for tables.

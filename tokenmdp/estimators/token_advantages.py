@@ -68,9 +68,9 @@ class TokenAdvantage(Advantage):
         raise TypeError(f"{type(self).__name__} is a token-level advantage: it has no "
                         "per-sequence form; estimators.prepare computes it from the batch")
 
-    def from_batch(self, batch, reward_S, step_S=None):  # numpydoc ignore=PR01,RT01
+    def per_sequence(self, reward_S, group_S, length_S, step_S=None):  # numpydoc ignore=PR01,RT01
         """Refused: a token-level part has no per-sequence advantages (see ``prepare``)."""
-        return self(reward_S, batch.group, step_S)
+        return self(reward_S, group_S, step_S)
 
     def token_advantages(self, batch: TokenBatch, reward_S: torch.Tensor,
                          penalty_RC: torch.Tensor, step_S: torch.Tensor | None = None
