@@ -374,3 +374,36 @@ def test_extreme_weights_stay_finite_in_float32(level):
     mean = (factor[batch.loss_mask].mean() if level is Level.TOKEN
             else factor[batch.loss_mask & (batch.position == 2)].mean())
     assert float(mean) == pytest.approx(1.0, rel=1e-6)
+
+
+# ------------------------------------------------------------------ exchangeable types
+@pytest.mark.parametrize("part", [SelfNormalizedIS(), SelfNormalizedIS(level="sequence"),
+                                  SelfNormalizedIS(level="geometric", cap=1.5)],
+                         ids=lambda p: p.describe())
+def test_the_exchangeable_type_is_all_another_sequence_contributes(part):
+    # sequence 2 is replaced by one with the same reward, length and weight sum but other
+    # tokens and token weights (its two log-weights swapped): sequence 0's own gradient terms
+    # do not change, while a change of the weight sum does change them
+    def step(log_w_2):
+        old = [[-0.5, -1.0], [-0.7], [-0.4, -0.9]]
+        log_w = [[0.3, -0.2], [0.5], log_w_2]
+        behavior = [[o - lw for o, lw in zip(os_, ws, strict=True)]
+                    for os_, ws in zip(old, log_w, strict=True)]
+        return make_batch([[9]] * 3, [[1, 2], [3], [4 + int(log_w_2[0] > 0), 2]],
+                          rewards=[1.0, 0.0, 0.5], groups=[0, 0, 0], old=old, behavior=behavior)
+
+    est = Estimator(surrogate=TokenRatio(), correction=part, advantage=RewardAsAdvantage(),
+                    aggregation=Aggregation.TOKEN_MEAN)
+
+    def first_terms(batch):
+        lp = batch.old_logprob.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(loss(lp, prepare(batch, est), est)[0], lp)
+        return g[(batch.sequence_id == 0) & batch.loss_mask], part.exchangeable_type(batch)
+
+    a, b, c = step([0.1, 0.6]), step([0.6, 0.1]), step([0.1, 0.9])
+    (g_a, t_a), (g_b, t_b), (g_c, t_c) = first_terms(a), first_terms(b), first_terms(c)
+    if part.level is Level.TOKEN:
+        assert float(t_a[2]) == pytest.approx(e(0.1) + e(0.6), abs=EXACT)
+    assert torch.allclose(t_a, t_b, rtol=0, atol=EXACT) and not torch.allclose(t_a, t_c)
+    torch.testing.assert_close(g_a, g_b, rtol=0, atol=EXACT)
+    assert not torch.allclose(g_a, g_c)

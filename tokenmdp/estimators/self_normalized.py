@@ -32,7 +32,8 @@ mean is not reduced across ranks here).
 Exact moments: each sample's term depends on the other samples' weights, which the
 exchangeability method of :func:`tokenmdp.exact.moments` does not see (it reduces the others to
 their reward and counted tokens), so pass ``method="enumeration"`` for an estimator with this
-part.
+part; :meth:`SelfNormalizedIS.exchangeable_type` is the per-sequence value that, added to those
+types, makes the reduction exact.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators._common import (
     check_positive,
     loss_token_counts,
+    sequence_sum,
     to_tokens,
 )
 from tokenmdp.estimators.corrections import (
@@ -160,6 +162,33 @@ class SelfNormalizedIS(Correction):
         extras = dict(batch.token_extras)
         extras[SNIS_FACTOR] = self._factor(batch, step)
         return batch.replace(token_extras=extras)
+
+    def exchangeable_type(self, batch: TokenBatch) -> torch.Tensor:
+        """What one sequence contributes to the other sequences' factors: its weight sum.
+
+        Another sequence's loss depends on this one only through its reward, its counted tokens
+        and this value, so an exact method that reduces the other samples of a group to types
+        must add it to them (see the module docstring on exact moments).
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            With ``old_logprob`` and ``behavior_logprob``.
+
+        Returns
+        -------
+        Tensor ``[S]``
+            ``Σ_t w_t`` over the sequence's loss tokens (token level) or ``W_i`` (sequence,
+            geometric), capped as the factors are.
+        """
+        log_w = self._log_w(batch)
+        if self.cap is not None:
+            log_w = log_w.clamp(max=math.log(self.cap))
+        w = torch.where(batch.loss_mask, importance_weight(log_w), 0.0)
+        total = sequence_sum(w, batch)
+        if self.level is Level.TOKEN:
+            return total
+        return total / loss_token_counts(batch).clamp(min=1)
 
     def __call__(self, batch):
         factor = batch.token_extras.get(SNIS_FACTOR)
