@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from tokenmdp.estimators._common import check_nonnegative
+from tokenmdp.estimators._common import check_nonnegative, loss_token_counts
 from tokenmdp.estimators.advantages import Advantage, _check, _group_deviation
 
 __all__ = [
@@ -243,6 +243,11 @@ class ReinforcePPBaseline(Advantage):
         """The advantages, weighted by the loss-token counts ``length_S``."""
         return self(reward_S, group_S, step_S, length_S=length_S)
 
+    def from_batch(self, batch, reward_S, step_S=None):  # numpydoc ignore=PR01,RT01
+        """The advantages with ``|y_i|`` counted from ``batch.loss_mask`` (overridden, so that a
+        caller can tell that this part reads more of the batch than the rewards)."""
+        return self.per_sequence(reward_S, batch.group, loss_token_counts(batch), step_S)
+
     def describe(self) -> str:
         """Short label for tables.
 
@@ -300,6 +305,11 @@ class OPOBaseline(Advantage):
     def per_sequence(self, reward_S, group_S, length_S, step_S=None):  # numpydoc ignore=PR01,RT01
         """The advantages, weighted by the loss-token counts ``length_S``."""
         return self(reward_S, group_S, step_S, length_S=length_S)
+
+    def from_batch(self, batch, reward_S, step_S=None):  # numpydoc ignore=PR01,RT01
+        """The advantages with ``|y_i|`` counted from ``batch.loss_mask`` (overridden, so that a
+        caller can tell that this part reads more of the batch than the rewards)."""
+        return self.per_sequence(reward_S, batch.group, loss_token_counts(batch), step_S)
 
     def describe(self) -> str:
         """Short label for tables.
