@@ -186,3 +186,46 @@ def test_the_closed_form_gradient_is_what_the_check_sees():
     # d π Q is the gradient in the log-probabilities, not in the logits
     assert (broken - reference).abs().max() > 1e-3
     assert (gradient(mdp, policy) - reference).abs().max() <= EXACT_TOL
+
+
+# ------------------------------------------------------------------ exchangeability, packed
+def test_packed_batches_evaluate_every_term_exactly_once():
+    """Each (response y of type τ, multiset m of the others' types) appears in exactly one valid
+    slot, and the number of batches is the cost's closed form."""
+    from tokenmdp.exact.exchangeability import _members, _packed_batches, _packed_count
+    from tokenmdp.exact.group_draws import multisets
+
+    type_of = torch.tensor([0, 1, 1, 2, 0, 1, 1, 1, 2, 0])
+    q = torch.tensor([.1, .1, .1, .0, .2, .1, .1, .1, .1, .1], dtype=torch.float64)
+    K, G = 3, 4
+    rep = torch.tensor([0, 1, 3])
+    others = multisets(K, G - 1)[0]
+    index = {tuple(r): i for i, r in enumerate(others.tolist())}
+    members = _members(type_of, q, K)
+    ids, valid, rows = _packed_batches(multisets(K, G)[0], members, rep, index, G)
+    seen = sorted(zip(ids[valid].tolist(), rows[valid].tolist()))
+    expected = sorted((int(y), int(type_of[y]) * len(index) + m)
+                      for y in (q > 0).nonzero().view(-1) for m in range(len(index)))
+    assert seen == expected
+    assert (type_of[ids] * len(index) == rows - rows % len(index)).all()  # slots hold their type
+    n_type = torch.tensor([m.numel() for m in members])
+    assert ids.shape[0] == _packed_count(multisets(K, G)[0], n_type)
+    assert ids.shape[0] < int((q > 0).sum()) * len(index)                # fewer than one per term
+
+
+def test_cross_term_chunks_agree(monkeypatch):
+    from tokenmdp import estimators as E
+    from tokenmdp.exact import exchangeability, inference_copy, moments, stale_copy
+    mdp = TokenMDP(3, 3, RandomTable(seed=5, binary_p=0.5), prompts=[(0,), (1,)])
+    pi = TabularPolicy(mdp, generator=torch.Generator().manual_seed(0))
+    old = stale_copy(mdp, pi, distance=0.3)
+    mu = inference_copy(old, noise_std=0.3, generator=torch.Generator().manual_seed(1))
+    kw = dict(group_size=4, behavior=mu, old=old, reference=old, method="exchangeability")
+    whole = moments(mdp, pi, E.get("grpo"), **kw)
+    monkeypatch.setattr(exchangeability, "CROSS_CHUNK_ENTRIES", 7)
+    chunked = moments(mdp, pi, E.get("grpo"), **kw)
+    assert abs(whole.total_variance - chunked.total_variance) <= EXACT_TOL
+    assert (whole.covariance - chunked.covariance).abs().max() <= EXACT_TOL
+    enum = moments(mdp, pi, E.get("grpo"), **{**kw, "method": "enumeration"})
+    assert abs(enum.total_variance - chunked.total_variance) <= EXACT_TOL
+    assert (enum.mean - chunked.mean).abs().max() <= EXACT_TOL

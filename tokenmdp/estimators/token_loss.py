@@ -24,8 +24,8 @@ from tokenmdp.estimators.weight_diagnostics import correction_diagnostics
 __all__ = ["loss", "per_micro_batch_token_mean_loss"]
 
 
-def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator
-         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator, *,
+         metrics: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``loss = -Σ_{loss tokens} loss_weight · (c · surrogate - β k)`` and metrics.
 
     Parameters
@@ -37,11 +37,16 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator
         A prepared batch (:func:`prepare`) or a part of one; ``advantage`` and ``loss_weight``
         are read as they are.
     estimator : Estimator
+    metrics : bool, default True
+        Compute the metrics below. ``False`` returns an empty dict and skips them: for inner
+        loops (the exact lab's thousands of stacked steps, a micro-batch whose metrics are not
+        logged), where they cost more than the loss itself.
 
     Returns
     -------
     loss : scalar tensor
-    metrics : dict of detached scalar tensors, computed under ``no_grad``
+    metrics : dict of detached scalar tensors, computed under ``no_grad`` (empty with
+        ``metrics=False``)
         ``tokens`` (loss tokens of this batch); ``clip_fraction`` (where the surrogate's clip or
         mask was active) and ``masked_fraction`` (rejected by masked IS); when ``old_logprob`` is
         present ``r_min/r_mean/r_max`` (``r = π_θ/π_old``), when ``behavior_logprob`` is present
@@ -79,12 +84,14 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator
         total = total + estimator.kl.coef * _weighted_sum(kl_weight_RC, k_RC)
     if logprobs_RC.requires_grad and not total.requires_grad:  # an empty batch: a zero
         total = total + logprobs_RC.sum()                      # gradient, not a graph error
+    if not metrics:
+        return total, {}
     with torch.no_grad():
-        metrics = _metrics(logprobs_RC, batch, terms, factor.keep_RC, k_RC)
+        out = _metrics(logprobs_RC, batch, terms, factor.keep_RC, k_RC)
         if batch.old_logprob is not None and batch.behavior_logprob is not None:
             level = getattr(estimator.correction, "level", Level.TOKEN)
-            metrics.update(correction_diagnostics(batch, sequence=level is not Level.TOKEN))
-    return total, metrics
+            out.update(correction_diagnostics(batch, sequence=level is not Level.TOKEN))
+    return total, out
 
 
 def _weighted_sum(weight_RC: torch.Tensor, values_RC: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,12 @@
 With one prompt per batch, sample ``i``'s own gradient term ``g_i`` depends on the other samples
 only through their *types* (effective reward, counted tokens), so ``E[ĝ] = G E[g_1]`` and
 ``E‖ĝ‖² = G E‖g_1‖² + G(G−1) E<g_1, g_2>`` need ``y_1`` (and ``y_2``) and the type distribution
-of the others only: ``n · C(K+G−2, G−1)`` batches instead of the enumeration's ``C(n+G−1, G)``
-for ``n`` responses and ``K`` types (the derivation: :mod:`tokenmdp.exact.moments`).
+of the others only (the derivation: :mod:`tokenmdp.exact.moments`). Every term ``g(y; m)`` (a
+response ``y`` against others of types ``m``) is evaluated once, packed: a batch of the full
+multiset ``M`` of ``G`` types holds in each slot a new response of the slot's type, so all its
+``G`` own terms are used (``Σ_M max_τ ⌈n_τ / c_τ(M)⌉`` batches, at most the
+``n · C(K+G−2, G−1)`` of one batch per term, against the enumeration's ``C(n+G−1, G)``, for
+``n`` responses and ``K`` types).
 
 Here: the types of every response, :func:`exchangeability_cost` (the number of batches, which
 :func:`~tokenmdp.exact.moments` compares with the enumeration's count) and the moments
@@ -38,12 +42,40 @@ def _type_keys(steps: StepGradients) -> torch.Tensor:
     return torch.stack([reward, counted], dim=1)
 
 
+#: Above this many full multisets of types, :func:`exchangeability_cost` returns its closed-form
+#: upper bound instead of counting the packed batches one multiset at a time.
+MAX_COUNTED_MULTISETS = 200_000
+#: Entries of one chunk of the cross term's gathered rows (two such chunks live at once).
+CROSS_CHUNK_ENTRIES = 1 << 24
+
+
+def _members(type_of: torch.Tensor, q: torch.Tensor, K: int) -> list[torch.Tensor]:
+    """The responses (local ids) of each type that have positive probability."""
+    live = (q > 0).nonzero(as_tuple=True)[0]
+    order = torch.argsort(type_of[live], stable=True)
+    counts = torch.bincount(type_of[live], minlength=K).tolist()
+    return list(torch.split(live[order], counts))
+
+
+def _packed_count(full: torch.Tensor, n_type: torch.Tensor) -> int:
+    """``Σ_M max_{τ ∈ M} ⌈n_τ / c_τ(M)⌉`` over full multisets ``M`` ``[MF, G]`` of types."""
+    K = n_type.numel()
+    counts = torch.zeros(full.shape[0], K, dtype=torch.long).scatter_add_(
+        1, full, torch.ones_like(full))
+    need = torch.where(counts > 0, (n_type[None, :] + counts - 1) // counts.clamp(min=1), 0)
+    return int(need.amax(1).sum())
+
+
 def exchangeability_cost(mdp: TokenMDP, type_key_N: torch.Tensor, probs_N: torch.Tensor,
                          group_size: int) -> int:
-    """Batches the exchangeability method evaluates: ``Σ_x n_x C(K_x + G − 2, G − 1)``.
+    """Batches the exchangeability method evaluates: ``Σ_x Σ_M max_{τ ∈ M} ⌈n_τ / c_τ(M)⌉``.
 
-    ``n_x`` is the number of responses to prompt ``x`` with positive probability and ``K_x``
-    the number of distinct types among them.
+    ``M`` runs over the multisets of ``G`` types of prompt ``x``, ``c_τ(M)`` is the multiplicity
+    of type ``τ`` in ``M`` and ``n_τ`` the number of responses of type ``τ`` with positive
+    probability: each batch of ``M`` fills its ``c_τ`` slots of type ``τ`` with ``c_τ`` new such
+    responses, so every slot is a useful evaluation. It is at most ``Σ_x n_x C(K_x + G − 2,
+    G − 1)`` (one batch per response and multiset of the others), the value returned when
+    there are more than :data:`MAX_COUNTED_MULTISETS` multisets.
 
     Parameters
     ----------
@@ -60,19 +92,91 @@ def exchangeability_cost(mdp: TokenMDP, type_key_N: torch.Tensor, probs_N: torch
     Returns
     -------
     int
-        The number of batches (``y_1`` and a multiset of the others' types) to evaluate.
+        The number of batches of ``G`` responses to evaluate.
     """
     total = 0
-    per_prompt = probs_N.view(mdp.num_prompts, -1)
-    for x, (_, p, _) in enumerate(exchangeable_types(type_key_N, mdp, probs_N)):
-        n_x = int((per_prompt[x] > 0).sum())
-        total += n_x * math.comb(p.numel() + group_size - 2, group_size - 1)
+    n = mdp.responses_per_prompt
+    for x, (type_of, p, _) in enumerate(exchangeable_types(type_key_N, mdp, probs_N)):
+        K = p.numel()
+        q = probs_N[x * n:(x + 1) * n]
+        n_type = torch.tensor([m.numel() for m in _members(type_of, q, K)], dtype=torch.long)
+        if math.comb(K + group_size - 1, group_size) > MAX_COUNTED_MULTISETS:
+            total += int(n_type.sum()) * math.comb(K + group_size - 2, group_size - 1)
+        else:
+            total += _packed_count(multisets(K, group_size)[0], n_type)
     return total
+
+
+def _packed_batches(full: torch.Tensor, members: list[torch.Tensor], rep: torch.Tensor,
+                    others_index: dict, G: int):
+    """The batches of every full multiset of types, each slot filled with a new response of its
+    type (a representative, flagged invalid, once they run out).
+
+    Returns ``ids [B, G]`` (local response ids), and per slot ``valid [B, G]`` and ``row [B, G]``:
+    the row ``τ · Mo + index(M − τ)`` of the accumulator ``A`` that the slot's term belongs to."""
+    Mo = len(others_index)
+    n_type = [m.numel() for m in members]
+    ids, valid, rows = [], [], []
+    for M in full.tolist():
+        types = sorted(set(M))
+        nb = max(-(-n_type[t] // M.count(t)) for t in types)
+        if nb == 0:
+            continue
+        b_ids = torch.empty(nb, G, dtype=torch.long)
+        b_valid = torch.empty(nb, G, dtype=torch.bool)
+        b_rows = torch.empty(nb, G, dtype=torch.long)
+        col = 0
+        for t in types:
+            c = M.count(t)
+            k = torch.arange(nb * c).view(nb, c)
+            ok = k < n_type[t]
+            pool = members[t] if n_type[t] else rep[t:t + 1]
+            b_ids[:, col:col + c] = torch.where(ok, pool[k.clamp(max=max(n_type[t] - 1, 0))],
+                                                pool[0])
+            b_valid[:, col:col + c] = ok
+            rest = list(M)
+            rest.remove(t)
+            b_rows[:, col:col + c] = t * Mo + others_index[tuple(rest)]
+            col += c
+        ids.append(b_ids)
+        valid.append(b_valid)
+        rows.append(b_rows)
+    return torch.cat(ids), torch.cat(valid), torch.cat(rows)
+
+
+def _cross(A: torch.Tensor, p_rest: torch.Tensor, rest: torch.Tensor, others_index: dict,
+           K: int, keep_cov: bool):
+    """``Σ_{τ1, τ2, m'} p(m') <A[τ1, m' + τ2], A[τ2, m' + τ1]>`` (and its outer-product sum),
+    gathered in chunks of rows so that no ``[K² |m'|, d]`` tensor is built at once."""
+    d = A.shape[-1]
+    t1, t2, r = torch.meshgrid(torch.arange(K), torch.arange(K), torch.arange(rest.shape[0]),
+                               indexing="ij")
+    t1, t2, r = t1.reshape(-1), t2.reshape(-1), r.reshape(-1)
+    rest_rows = rest.tolist()
+    o1 = torch.tensor([others_index[tuple(sorted(rest_rows[ri] + [b]))]
+                       for ri, b in zip(r.tolist(), t2.tolist())], dtype=torch.long)
+    o2 = torch.tensor([others_index[tuple(sorted(rest_rows[ri] + [a]))]
+                       for ri, a in zip(r.tolist(), t1.tolist())], dtype=torch.long)
+    cross = A.new_zeros(())
+    outer = A.new_zeros(d, d) if keep_cov else None
+    step = max(1, CROSS_CHUNK_ENTRIES // max(d, 1))
+    for lo in range(0, t1.numel(), step):
+        sl = slice(lo, lo + step)
+        a1, a2, pr = A[t1[sl], o1[sl]], A[t2[sl], o2[sl]], p_rest[r[sl]]
+        cross += pr @ (a1 * a2).sum(1)
+        if keep_cov:
+            outer += (a1 * pr[:, None]).T @ a2
+    return cross, outer
 
 
 def _by_exchangeability(steps: StepGradients, mdp: TokenMDP, probs_N: torch.Tensor, G: int,
                         keep_cov: bool):
-    """``(E[ĝ], E‖ĝ‖², E[ĝ ĝ^T] or None, batches evaluated)`` by exchangeability (see the module)."""
+    """``(E[ĝ], E‖ĝ‖², E[ĝ ĝ^T] or None, batches evaluated)`` by exchangeability (see the module).
+
+    ``A[τ, m] = Σ_{y of type τ} μ(y) g(y; m)``, the own term of a response of type ``τ`` whose
+    group's others have types ``m``, is accumulated from packed batches: a batch of the full
+    multiset ``M`` of types evaluates, in each slot, a response of the slot's type ``τ``
+    against the others ``M − τ`` (:func:`_packed_batches`)."""
     d = steps.num_params
     n = mdp.responses_per_prompt
     mean = torch.zeros(d, dtype=torch.float64)
@@ -84,25 +188,29 @@ def _by_exchangeability(steps: StepGradients, mdp: TokenMDP, probs_N: torch.Tens
         K = p_type.numel()
         others, p_others = multisets(K, G - 1, p_type)                 # [Mo, G-1], [Mo]
         Mo = others.shape[0]
+        others_index = {tuple(row): i for i, row in enumerate(others.tolist())}
         q = probs_N[x * n:(x + 1) * n]
-        resp = (q > 0).nonzero(as_tuple=True)[0]
-        ids = torch.cat([(x * n + resp).repeat_interleave(Mo)[:, None],
-                         rep[others].repeat(resp.numel(), 1)], dim=1)   # [steps, G]
-        q_step = q[resp].repeat_interleave(Mo)
-        w = q_step * p_others.repeat(resp.numel())                      # P(y_1) P(others)
-        slot = type_of[resp].repeat_interleave(Mo) * Mo + torch.arange(Mo).repeat(resp.numel())
-        # A[τ, m] = Σ_{y_1 of type τ} μ(y_1) g_1(y_1; m), accumulated in coefficient space
+        local, valid, rows = _packed_batches(multisets(K, G)[0], _members(type_of, q, K),
+                                             rep - x * n, others_index, G)
+        ids = x * n + local                                             # [B, G]
+        q_slot = torch.where(valid, q[local], 0.0).reshape(-1)         # μ(y), 0 if padding
+        w_slot = q_slot * p_others[rows % Mo].reshape(-1)              # P(y) P(others)
+        row_slot = rows.reshape(-1)
         A_C = torch.zeros(K * Mo, steps.num_pairs, dtype=torch.float64)
         sq1 = torch.zeros((), dtype=torch.float64)
         S1 = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
-        for sl, (draw, pair, coef) in steps.sparse_blocks(ids, first_only=True):
-            n_sl = int(w[sl].numel())
-            sq1 += w[sl] @ steps.sq_norms(draw, pair, coef, n_sl, one_path=True)
-            A_C.index_put_((slot[sl][draw], pair), coef * q_step[sl][draw], accumulate=True)
+        for sl, (seq, pair, coef) in steps.sparse_blocks(ids, per_sequence=True):
+            base = sl.start * G
+            n_seq = int(ids[sl].numel())
+            w = w_slot[base:base + n_seq]
+            sq1 += w @ steps.sq_norms(seq, pair, coef, n_seq, one_path=True)
+            A_C.index_put_((row_slot[base + seq], pair), coef * q_slot[base + seq],
+                           accumulate=True)
             if keep_cov:
-                g = steps.to_params(steps.dense(draw, pair, coef, n_sl))
-                S1 += (g * w[sl, None]).T @ g
+                g = steps.to_params(steps.dense(seq, pair, coef, n_seq))
+                S1 += (g * w[:, None]).T @ g
         A = steps.to_params(A_C)
+        del A_C
         evaluated += ids.shape[0]
         A = A.view(K, Mo, d)
         mean_x = G * torch.einsum("m,kmd->d", p_others, A)
@@ -110,20 +218,10 @@ def _by_exchangeability(steps: StepGradients, mdp: TokenMDP, probs_N: torch.Tens
         # sample 1 sees others o1 = m' + {τ2}, sample 2 sees o2 = m' + {τ1}; the type
         # probabilities of τ1, τ2 cancel against the normalization of A.
         rest, p_rest = multisets(K, G - 2, p_type)
-        index = {tuple(row): i for i, row in enumerate(others.tolist())}
-        t1, t2, r = torch.meshgrid(torch.arange(K), torch.arange(K), torch.arange(rest.shape[0]),
-                                   indexing="ij")
-        t1, t2, r = t1.reshape(-1), t2.reshape(-1), r.reshape(-1)
-        o1 = torch.tensor([index[tuple(sorted(rest[ri].tolist() + [b]))]
-                           for ri, b in zip(r.tolist(), t2.tolist())], dtype=torch.long)
-        o2 = torch.tensor([index[tuple(sorted(rest[ri].tolist() + [a]))]
-                           for ri, a in zip(r.tolist(), t1.tolist())], dtype=torch.long)
-        a1, a2, pr = A[t1, o1], A[t2, o2], p_rest[r]
-        cross = (pr * (a1 * a2).sum(1)).sum()
+        cross, cross_outer = _cross(A, p_rest, rest, others_index, K, keep_cov)
         D = float(mdp.prompt_probs[x])
         mean += D * mean_x
         second += D * (G * sq1 + G * (G - 1) * cross)
         if keep_cov:
-            cross_outer = (a1 * pr[:, None]).T @ a2
             outer += D * (G * S1 + G * (G - 1) * 0.5 * (cross_outer + cross_outer.T))
     return mean, second, outer, evaluated

@@ -16,9 +16,10 @@ Methods:
   term, which depends on the other samples only through their *types* (effective reward, counted
   tokens). So ``E[ĝ] = G E[g_1]`` needs only ``y_1`` and the type distribution of the others, and
   ``E‖ĝ‖² = G E‖g_1‖² + G(G−1) E<g_1, g_2>``, where, given all types, ``y_1`` and ``y_2`` are
-  independent: ``E<g_1, g_2> = E_types <E[g_1 | types], E[g_2 | types]>``. The cost is
-  ``n · C(K+G−2, G−1)`` instead of ``C(n+G−1, G)`` for ``n`` responses and ``K`` types
-  (:mod:`~tokenmdp.exact.exchangeability`);
+  independent: ``E<g_1, g_2> = E_types <E[g_1 | types], E[g_2 | types]>``. Every own term is
+  evaluated once, up to ``G`` of them per batch (packed by type): at most
+  ``n · C(K+G−2, G−1)`` batches, instead of ``C(n+G−1, G)`` for ``n`` responses
+  and ``K`` types (:mod:`~tokenmdp.exact.exchangeability`);
 * ``"exact"``: the cheaper of the two; ``"monte_carlo"``: sampled batches with standard errors;
   ``"auto"``: exact when at most ``max_exact_draws`` batches are needed and they fit the memory
   budget (:mod:`~tokenmdp.exact.budget`), else Monte Carlo; ``Moments.method`` says which ran.

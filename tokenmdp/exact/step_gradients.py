@@ -12,6 +12,8 @@ re-derives a formula.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -85,19 +87,29 @@ def _block_diag(blocks: torch.Tensor) -> torch.Tensor:
 
 def _stacked_batch(enum: TokenBatch, ids: torch.Tensor, group_size: int,
                    logprob_fields: dict[str, torch.Tensor]) -> tuple[TokenBatch, torch.Tensor]:
-    """Draws ``[D, k*G]`` of enumeration rows as one batch of ``D`` independent steps."""
+    """Draws ``[D, k*G]`` of enumeration rows as one batch of ``D`` independent steps.
+
+    Built without validating it again: its rows are rows of ``enum`` (one sequence per row, as
+    :meth:`TokenMDP.enumerate <tokenmdp.exact.TokenMDP.enumerate>` lays them out), renumbered
+    one sequence per row, and the log-prob fields were validated on ``enum`` once
+    (:class:`StepGradients`); on a block of 10^6 sequences validation cost a third of a step."""
     D, width = ids.shape
     rows = ids.reshape(-1)
     S = rows.numel()
     real = enum.sequence_id[rows] >= 0
     seq = torch.arange(S)
-    batch = TokenBatch(
+    fields = dict(
         tokens=enum.tokens[rows], sequence_id=torch.where(real, seq[:, None], -1),
         position=enum.position[rows], loss_mask=enum.loss_mask[rows],
         advantage=enum.advantage[rows], loss_weight=enum.loss_weight[rows],
         reward=enum.reward[rows], group=seq // group_size, length=enum.length[rows],
         prompt_index=enum.prompt_index[rows],
         **{name: lp[rows] for name, lp in logprob_fields.items()})
+    batch = object.__new__(TokenBatch)
+    for f in dataclasses.fields(TokenBatch):            # absent fields at their defaults
+        value = fields[f.name] if f.name in fields else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        object.__setattr__(batch, f.name, value)
     return batch, seq // width
 
 
@@ -121,6 +133,7 @@ class StepGradients:
                  jacobian: torch.Tensor | None = None) -> None:
         self.mdp, self.estimator, self.group_size = mdp, estimator, group_size
         self.enum = mdp.enumerate()
+        self.enum.replace(**fields)          # validate the fields once (_stacked_batch trusts them)
         self.fields = fields
         with torch.no_grad():
             self.pi_logprob = policy.token_logprobs(self.enum)
@@ -150,7 +163,8 @@ class StepGradients:
     def _stacked(self, ids: torch.Tensor) -> tuple[TokenBatch, torch.Tensor]:
         return _stacked_batch(self.enum, ids, self.group_size, self.fields)
 
-    def coefficients(self, ids: torch.Tensor, *, first_only: bool = False):
+    def coefficients(self, ids: torch.Tensor, *, first_only: bool = False,
+                     per_sequence: bool = False):
         """Per-token coefficients of batches ``ids`` ``[D, width]`` (enumeration rows).
 
         Returns ``(draw, pair, coef)``, one entry per loss token: ``ĝ_draw = Σ coef ·
@@ -165,11 +179,14 @@ class StepGradients:
             ``group_size``).
         first_only : bool, default False
             Keep only the tokens of each batch's first sequence.
+        per_sequence : bool, default False
+            Return each token's sequence, ``batch * width + slot`` (its entry of ``ids``
+            flattened), in place of its batch.
 
         Returns
         -------
         draw : LongTensor ``[T]``
-            The batch (row of ``ids``) of each loss token.
+            The batch (row of ``ids``) of each loss token (its sequence with ``per_sequence``).
         pair : LongTensor ``[T]``
             Its state-action pair ``state * V + action``.
         coef : Tensor ``[T]``
@@ -179,13 +196,14 @@ class StepGradients:
         batch = prepare(batch, self.estimator, step=step, max_len=self.mdp.max_len)
         rows = ids.reshape(-1)
         lp = self.pi_logprob[rows].clone().requires_grad_(True)
-        value, _ = loss(lp, batch, self.estimator)
+        value, _ = loss(lp, batch, self.estimator, metrics=False)
         (coef,) = torch.autograd.grad(-value, lp)            # c_t = −∂loss/∂log π
         sa = self.sa_index[rows]
         on = sa >= 0
         if first_only:
             on = on & (torch.arange(rows.numel()) % ids.shape[1] == 0)[:, None]
-        return step[:, None].expand_as(sa)[on], sa[on], coef[on]
+        owner = torch.arange(rows.numel()) if per_sequence else step
+        return owner[:, None].expand_as(sa)[on], sa[on], coef[on]
 
     def dense(self, draw: torch.Tensor, pair: torch.Tensor, coef: torch.Tensor,
               num_draws: int) -> torch.Tensor:
@@ -297,7 +315,7 @@ class StepGradients:
         block : int, default 65536
             Batches per block.
         **kwargs
-            ``first_only``, as for :meth:`coefficients`.
+            ``first_only`` and ``per_sequence``, as for :meth:`coefficients`.
 
         Yields
         ------
