@@ -4,7 +4,7 @@
 * :func:`family` and :func:`correction_twin` — how the registry's entries group: a variant
   ``base_suffix`` belongs to the family ``base``; a variant that differs from its base only in
   the training–inference correction is its base's *twin* wherever ``μ = π_old``;
-* :func:`zoo_runs` and :func:`zoo_moments` — :func:`~tokenmdp.exact.train_exact` and
+* :func:`zoo_runs` and :func:`zoo_moments` — :func:`~tokenmdp.exact.training.train_exact` and
   :func:`~tokenmdp.exact.moments` of every entry in every scenario, a twin reusing its base's
   result where the correction factor ``π_old/μ`` is exactly 1;
 * :func:`summary_rows`, :func:`curves_figure`, :func:`prediction_figure` — the summary table,
@@ -63,12 +63,12 @@ class Budget:
     seed: int
 
     def run(self, mdp, policy, estimator: Estimator, reference, **scenario):
-        """:func:`~tokenmdp.exact.train_exact` with this budget (Adam, a fresh seeded generator).
+        """:func:`~tokenmdp.exact.training.train_exact` with this budget (Adam, a fresh seeded generator).
 
         Parameters
         ----------
         mdp, policy, estimator, reference
-            As for :func:`~tokenmdp.exact.train_exact`.
+            As for :func:`~tokenmdp.exact.training.train_exact`.
         **scenario
             ``staleness=`` and/or ``engine=``.
 
@@ -141,11 +141,11 @@ def zoo_runs(mdp, policy, names: Sequence[str], scenarios: Mapping[str, dict], b
     Parameters
     ----------
     mdp, policy, reference
-        As for :func:`~tokenmdp.exact.train_exact`.
+        As for :func:`~tokenmdp.exact.training.train_exact`.
     names : sequence of str
         Registry names (bases before their variants, as :func:`tokenmdp.estimators.names`).
     scenarios : mapping of str to dict
-        Scenario label → keyword arguments of :func:`~tokenmdp.exact.train_exact`
+        Scenario label → keyword arguments of :func:`~tokenmdp.exact.training.train_exact`
         (``staleness``, ``engine``).
     budget : Budget
 
@@ -258,7 +258,7 @@ def monte_carlo_figure(exact: torch.Tensor, estimates: Sequence[tuple[float, flo
     Parameters
     ----------
     exact : Tensor ``[updates + 1]``
-        :attr:`~tokenmdp.exact.ExactTrainingRun.objective`.
+        the ``objective`` of an :class:`~tokenmdp.exact.training.ExactTrainingRun`.
     estimates : sequence of (float, float)
         :func:`monte_carlo_objective` of each ``π_t``.
     label : str
@@ -349,7 +349,7 @@ def part_differences(a: Estimator, b: Estimator) -> list[tuple[str, str, str]]:
     Returns
     -------
     list of (str, str, str)
-        One entry per differing part of :data:`PARTS`, in that order.
+        One entry per differing part of ``PARTS``, in that order.
     """
     def describe(est, part):
         value = getattr(est, part)

@@ -89,7 +89,7 @@ class ExactTrainingRun:
         return int(self.gradient_norm.numel())
 
     def policy_at(self, t: int) -> nn.Module:
-        """A frozen copy of the policy after ``t`` updates (``t = 0``: the initial policy).
+        """A copy of the policy after ``t`` updates (``t = 0``: the initial policy).
 
         Parameters
         ----------
@@ -99,13 +99,14 @@ class ExactTrainingRun:
         Returns
         -------
         nn.Module
-            A deep copy of :attr:`policy` with parameters ``θ_t`` and no gradients.
+            A deep copy of ``policy`` with parameters ``θ_t`` (differentiable, as
+            ``policy``: ``moments`` and ``gradient`` take it).
         """
         if isinstance(t, bool) or not isinstance(t, int):
             raise TypeError(f"t: expected an int, got {type(t).__name__}")
         if not -self.parameters.shape[0] <= t < self.parameters.shape[0]:
             raise ValueError(f"t: expected 0 <= t <= {self.updates}, got {t}")
-        copy_ = _frozen(self.policy)
+        copy_ = copy.deepcopy(self.policy)
         vector_to_parameters(self.parameters[t].clone(), copy_.parameters())
         return copy_
 
@@ -226,7 +227,7 @@ def train_exact(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, updat
                          "reference policy")
     if reference is not None:
         check_policy(mdp, reference, name="reference")
-        reference = _frozen(reference)
+        reference = _frozen(reference) if needs_ref else None   # no log-probs nobody reads
     trained = copy.deepcopy(policy).requires_grad_(True)
     params = [p for p in trained.parameters() if p.requires_grad]
     opt = _make_optimizer(params, lr, optimizer)
@@ -234,11 +235,12 @@ def train_exact(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, updat
     with torch.no_grad():
         J = [float(objective(mdp, trained))]
     thetas = [parameters_to_vector(trained.parameters()).detach().clone()]
-    history = collections.deque([_frozen(trained)], maxlen=staleness + 1)
+    # the policies of the last `staleness` updates (on-policy: the trained policy itself)
+    history = collections.deque([_frozen(trained)], maxlen=staleness + 1) if staleness else None
     rows: dict[str, list[float]] = collections.defaultdict(list)
     metrics: dict[str, list[float]] = {}
     for t in range(updates):
-        old = history[0]
+        old = trained if history is None else history[0]
         mu = old if engine is None else _engine(engine, old, mdp)
         batch = _batch(mdp, old, mu, reference, estimator, group_size, groups_per_update,
                        generator)
@@ -256,7 +258,8 @@ def train_exact(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, updat
             rows["true_gradient_norm"].append(float(true.norm()))
             denom = ascent.norm() * true.norm()
             rows["cosine"].append(float(ascent @ true / denom) if denom > 0 else 0.0)
-            rows["behavior_kl"].append(float(sequence_kl(mdp, trained, mu)))
+            rows["behavior_kl"].append(0.0 if mu is trained else float(sequence_kl(mdp, trained,
+                                                                                 mu)))
         for key, v in step_metrics.items():
             metrics.setdefault(key, []).append(float(v))
         opt.zero_grad(set_to_none=True)
@@ -266,7 +269,8 @@ def train_exact(mdp: TokenMDP, policy: nn.Module, estimator: Estimator, *, updat
         with torch.no_grad():
             J.append(float(objective(mdp, trained)))
         thetas.append(parameters_to_vector(trained.parameters()).detach().clone())
-        history.append(_frozen(trained))
+        if history is not None:
+            history.append(_frozen(trained))
 
     def as_tensor(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float64)
