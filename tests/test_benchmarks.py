@@ -94,9 +94,19 @@ def test_lattice_benchmark_small(tmp_path):
 
 @pytest.mark.slow
 def test_acceptance_quick(tmp_path):
-    run_script("acceptance.py", "--quick", "--out", str(tmp_path))
+    out = run_script("acceptance.py", "--quick", "--out", str(tmp_path), "--seeds", "0", "1")
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary and (tmp_path / "curve.png").stat().st_size > 0
+    assert [r["seed"] for r in summary["per_seed"]] == [0, 1], summary
+    assert "gain_points_se" in summary and "mean ± SE over seeds" in out, out
+    assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_long_study_quick(tmp_path):
+    out = run_script("long_study.py", "--quick", "--out", str(tmp_path))
+    for name in ("results.md", "results.csv", "curves.png", "phase.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "Phase diagram" in out and "off-policy N=8" in out, out
 
 
 @pytest.mark.slow
