@@ -197,9 +197,9 @@ def monte_carlo_moments(mdp: LatticeMDP, logp: dict[str, torch.Tensor], estimato
     true_grad : Tensor ``[T·K·V]``
         ``∇J``.
     num_samples : int, optional
-        Steps (default :data:`DEFAULT_NUM_SAMPLES`; at least ``2 · NUM_BLOCKS``).
+        Steps (default ``DEFAULT_NUM_SAMPLES`` = 2048; at least ``2 · NUM_BLOCKS`` = 32).
     generator : torch.Generator, optional
-        Default: seeded with :data:`DEFAULT_SEED`.
+        Default: seeded with ``DEFAULT_SEED`` (0).
 
     Returns
     -------
