@@ -6,6 +6,7 @@ import torch
 
 from tokenmdp import estimators as E
 from tokenmdp.exact import TabularPolicy, TokenMDP, inference_copy, stale_copy
+from tokenmdp.exact.exchangeability import reduces_to_types
 from tokenmdp.exact.moments import moments
 from tokenmdp.exact.rewards import ExactMatch, LengthReward
 
@@ -29,6 +30,11 @@ def test_exchangeability_equals_enumeration(scenario, name):
     mdp, pi, kw = scenario
     est = E.get(name)
     a = moments(mdp, pi, est, group_size=3, method="enumeration", **kw)
+    if not reduces_to_types(est):   # a part couples the group beyond types: refused, and
+        with pytest.raises(ValueError, match="couples"):            # never chosen by exact
+            moments(mdp, pi, est, group_size=3, method="exchangeability", **kw)
+        assert moments(mdp, pi, est, group_size=3, method="exact", **kw).method == "enumeration"
+        return
     b = moments(mdp, pi, est, group_size=3, method="exchangeability", **kw)
     torch.testing.assert_close(b.mean, a.mean, rtol=0, atol=EXACT_TOL)
     assert abs(b.total_variance - a.total_variance) < EXACT_TOL * max(1.0, a.total_variance)

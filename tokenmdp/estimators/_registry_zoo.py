@@ -17,8 +17,10 @@ from tokenmdp.estimators.ctpo import CTPOClip
 from tokenmdp.estimators.estimator import Estimator
 from tokenmdp.estimators.per_decision import PerDecisionRatio
 from tokenmdp.estimators.rejection import RejectionSampling
-from tokenmdp.estimators.sequence_surrogates import GSPO
+from tokenmdp.estimators.self_normalized import SelfNormalizedIS
+from tokenmdp.estimators.sequence_surrogates import GSPO, SequenceRatio
 from tokenmdp.estimators.soft_surrogates import GMPO, SAPO, EntropyBonus
+from tokenmdp.estimators.surrogates import TokenRatio
 from tokenmdp.estimators.trust_region_masks import DPPO, OffPolicySequenceMask
 
 
@@ -173,3 +175,37 @@ _variant("grpo", "rs_seq", "verl's sequence rejection mask: sequences whose prod
          formula="; each sequence's terms × 1[0.5 ≤ Π_t μ/π_old ≤ 2] (rejects leave the "
                  "normalizer and the loss)",
          correction=RejectionSampling.from_verl("seq_sum_k1", "0.5_2.0"))
+
+
+_SNIS_ALIASES = ("verl algorithm.rollout_correction.rollout_is={level} with "
+                 "rollout_is_batch_normalize=True (there with rollout_is_threshold 2.0 truncating "
+                 "first: SelfNormalizedIS(cap=2.0)); the weights over their step mean, computed "
+                 "once in prepare")
+
+
+@_register("token_snis", formula="-1/S Σ_i Σ_t (w_it / w̄) ρ_t A_i, w = π_old/μ, w̄ the mean of w "
+                                 "over the step's loss tokens, ρ_t = π_θ/π_old",
+           paper="Owen 2013, Monte Carlo theory, methods and examples, §9.2 (self-normalized "
+                 "importance sampling; no arXiv)",
+           aliases=_SNIS_ALIASES.format(level="token"))
+def token_snis() -> Estimator:
+    """Token-level self-normalized IS: ``token_is`` with the training–inference weights divided
+    by their mean over the step (biased, consistent: the bias falls like 1/G), group-mean
+    advantage, sequence-mean of token sums."""
+    return Estimator(name="token_snis", surrogate=TokenRatio(), advantage=GroupMean(),
+                     correction=SelfNormalizedIS(level=Level.TOKEN),
+                     aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_SUM)
+
+
+@_register("sequence_snis", formula="-1/S Σ_i (W_i / W̄) ρ(y_i) A_i, W_i = Π_t π_old/μ, W̄ the "
+                                    "mean of W over the step's sequences, ρ(y) = Π_t π_θ/π_old",
+           paper="Owen 2013, Monte Carlo theory, methods and examples, §9.2 (self-normalized "
+                 "importance sampling; no arXiv)",
+           aliases=_SNIS_ALIASES.format(level="sequence"))
+def sequence_snis() -> Estimator:
+    """Sequence-level self-normalized IS: ``sequence_is`` with the sequence weights divided by
+    their mean over the step (biased, consistent; no ``(1+χ²)^T`` blow-up of the weights' scale),
+    group-mean advantage, sequence-mean of token sums."""
+    return Estimator(name="sequence_snis", surrogate=SequenceRatio(), advantage=GroupMean(),
+                     correction=SelfNormalizedIS(level=Level.SEQUENCE),
+                     aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_SUM)

@@ -27,19 +27,58 @@ from tokenmdp.exact.group_draws import exchangeable_types, multisets
 from tokenmdp.exact.mdp import TokenMDP
 from tokenmdp.exact.step_gradients import StepGradients
 
-__all__ = ["exchangeability_cost"]
+__all__ = ["exchangeability_cost", "reduces_to_types"]
+
+
+def _parts(est) -> list:
+    """The estimator's parts, wrapped surrogates (``.base``) unwrapped too."""
+    parts, todo = [], [est.surrogate, est.correction, est.advantage]
+    while todo:
+        part = todo.pop()
+        parts.append(part)
+        if getattr(part, "base", None) is not None:
+            todo.append(part.base)
+    return parts
+
+
+def reduces_to_types(estimator) -> bool:
+    """Whether a sample's own gradient term depends on the other samples of its group only
+    through their types, so that the exchangeability method is exact for ``estimator``.
+
+    A part that couples the sequences otherwise (a step-wide token selection such as Clip-Cov's,
+    a token whitening) says so with ``couples_sequences = True``; a part whose coupling is one
+    more per-sequence value (self-normalized IS's weight sum) gives it by
+    ``exchangeable_type(batch)``, added to the types.
+
+    Parameters
+    ----------
+    estimator : Estimator
+        The estimator whose parts are asked.
+
+    Returns
+    -------
+    bool
+        False when any part (wrapped ones included) has ``couples_sequences`` set.
+    """
+    return not any(getattr(part, "couples_sequences", False) for part in _parts(estimator))
 
 
 def _type_keys(steps: StepGradients) -> torch.Tensor:
-    """``[N, 2]``: (effective reward, counted tokens) of every response: all that another sample
-    contributes to a sample's own gradient term (group statistics and normalizers)."""
+    """``[N, k]``: (effective reward, counted tokens, and each part's ``exchangeable_type``) of
+    every response: all that another sample contributes to a sample's own gradient term (group
+    statistics and normalizers)."""
     est = steps.estimator
     batch = steps.enum.replace(**steps.fields)
     reward = batch.reward
     if est.kl is not None and est.kl.in_reward:
         reward = reward - est.kl.reward_penalty(batch)
     counted = batch.sequence_sum(counted_mask(batch, est).to(torch.float64))
-    return torch.stack([reward, counted], dim=1)
+    keys = [reward[:, None], counted[:, None]]
+    for part in _parts(est):
+        extra = getattr(part, "exchangeable_type", None)
+        if extra is not None:
+            keys.append(extra(batch).reshape(batch.num_sequences, -1).to(torch.float64))
+    return torch.cat(keys, dim=1)
 
 
 #: Above this many full multisets of types, :func:`exchangeability_cost` returns its closed-form

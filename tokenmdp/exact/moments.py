@@ -42,7 +42,12 @@ from torch import nn
 
 from tokenmdp.estimators import Estimator
 from tokenmdp.exact import budget
-from tokenmdp.exact.exchangeability import _by_exchangeability, _type_keys, exchangeability_cost
+from tokenmdp.exact.exchangeability import (
+    _by_exchangeability,
+    _type_keys,
+    exchangeability_cost,
+    reduces_to_types,
+)
 from tokenmdp.exact.ground_truth import gradient, sequence_probs
 from tokenmdp.exact.group_draws import count_draws, exact_draws, sampled_draws
 from tokenmdp.exact.loss_fn_gradients import (
@@ -256,8 +261,12 @@ def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_
     if method == "exchangeability" and not (typed and not ordered):
         raise ValueError("method: exchangeability needs an Estimator and order_invariant=True "
                          "(it reduces the other samples to an estimator's types)")
+    if method == "exchangeability" and not reduces_to_types(steps.estimator):
+        raise ValueError(f"method: exchangeability is not exact for {steps.estimator.name!r}: a "
+                         "part couples the sequences of a group beyond their types "
+                         "(couples_sequences); use method='enumeration'")
     exchangeable_ok = (prompts_per_batch == 1 and not filter_groups and group_size >= 2
-                       and typed and not ordered)
+                       and typed and not ordered and reduces_to_types(steps.estimator))
     if method == "exchangeability" and not exchangeable_ok:
         raise ValueError("method: exchangeability needs prompts_per_batch=1, group_size >= 2 "
                          "and no filter_groups")
