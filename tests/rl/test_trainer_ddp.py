@@ -31,8 +31,9 @@ WORLD_SIZE = 2
 JOIN_TIMEOUT_S = 180
 TORCHRUN_TIMEOUT_S = 240
 TOL = 1e-10           # float64; only the order of summation differs
-# token-mean; seq-mean of token sums + TIS; KL in the loss; batch-normalized advantages
-ESTIMATORS = ("dapo", "minirl", "grpo", "ppo")
+# token-mean; seq-mean of token sums + TIS; KL in the loss; batch-normalized advantages; a
+# group mean whitened over the step's loss tokens (needs every rank's rewards and lengths)
+ESTIMATORS = ("dapo", "minirl", "grpo", "ppo", "reinforce_pp_baseline")
 METRICS = ("loss", "grad_norm", "clip_fraction", "r_mean", "r_min", "r_max", "rho_mean",
            "kl_ref")
 

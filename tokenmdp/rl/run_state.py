@@ -288,18 +288,29 @@ class _Run:
         return out
 
     def _step_advantages(self, batch: TokenBatch) -> torch.Tensor | None:
-        """With data parallel and a batch-wide advantage (``ppo``'s batch normalization): the
-        advantages of the whole step, from every rank's rewards (gathered in rank order, group
-        ids made distinct), this rank's part. None otherwise (``prepare`` computes them)."""
-        if self.world == 1 or self.est.advantage.group_local:
+        """With data parallel and a batch-wide advantage (``ppo``'s batch normalization,
+        REINFORCE++'s whitening): the advantages of the whole step, from every rank's rewards and
+        loss-token counts (gathered in rank order, group ids made distinct), this rank's part.
+        None otherwise (``prepare`` computes them); a batch-wide token-level advantage is
+        refused."""
+        part = self.est.advantage
+        if self.world == 1 or part.group_local:
             return None
+        if getattr(part, "token_level", False):
+            raise ValueError(f"estimator {self.est.name!r}: the token-level advantage "
+                             f"{part.describe()} has statistics over the whole step, which data "
+                             f"parallelism (world size {self.world}) does not gather; train it "
+                             "in one process")
         rewards = estimators.advantage_rewards(batch, self.est)
-        shares = all_gather_objects((rewards.cpu(), batch.group.cpu()))
-        offsets = np.cumsum([0] + [int(g.max()) + 1 if g.numel() else 0 for _, g in shares])
-        all_rewards = torch.cat([r for r, _ in shares]).to(self.device)
-        all_groups = torch.cat([g + int(o) for (_, g), o in zip(shares, offsets)]).to(self.device)
-        start = sum(len(r) for r, _ in shares[:self.rank])
-        return self.est.advantage(all_rewards, all_groups)[start:start + len(rewards)]
+        lengths = batch.sequence_sum(batch.loss_mask.to(rewards.dtype))
+        shares = all_gather_objects((rewards.cpu(), batch.group.cpu(), lengths.cpu()))
+        offsets = np.cumsum([0] + [int(g.max()) + 1 if g.numel() else 0 for _, g, _ in shares])
+        all_rewards = torch.cat([r for r, _, _ in shares]).to(self.device)
+        all_groups = torch.cat([g + int(o) for (_, g, _), o in zip(shares, offsets)]).to(
+            self.device)
+        all_lengths = torch.cat([n for _, _, n in shares]).to(self.device)
+        start = sum(len(r) for r, _, _ in shares[:self.rank])
+        return part.per_sequence(all_rewards, all_groups, all_lengths)[start:start + len(rewards)]
 
     @torch.no_grad()
     def evaluate(self) -> float:
