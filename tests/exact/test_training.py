@@ -149,6 +149,7 @@ def test_determinism_and_the_input_policy_is_untouched(mdp):
     assert torch.equal(_theta(a.policy_at(6)), _theta(a.policy))
     with torch.no_grad():
         assert abs(float(objective(mdp, a.policy_at(3))) - a.objective[3]) < EXACT_TOL
+    assert gradient(mdp, a.policy_at(2)).shape == before.shape      # differentiable
     with pytest.raises(ValueError, match="t:"):
         a.policy_at(7)
     with pytest.raises(TypeError, match="t:"):
