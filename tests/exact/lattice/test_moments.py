@@ -160,3 +160,16 @@ def test_every_exactly_supported_registry_estimator_equals_enumeration():
     for name in claimed:
         a, b = both(lattice(), name, 2)
         assert_equal_moments(a, b)
+
+
+class LengthWeightedMean(estimators.GroupMean):
+    """A group-mean baseline that would read the lengths (it overrides per_sequence)."""
+
+    def per_sequence(self, reward_S, group_S, length_S, step_S=None):
+        return super().per_sequence(reward_S, group_S, length_S, step_S) / length_S
+
+
+def test_advantages_reading_lengths_are_not_exact():
+    est = estimators.get("minirl").replace(advantage=LengthWeightedMean())
+    ok, why = L.exact_support(est, 4)
+    assert not ok and "reads more of the batch" in why

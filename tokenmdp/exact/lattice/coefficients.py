@@ -58,12 +58,12 @@ def exact_support(estimator: Estimator, group_size: int) -> tuple[bool, str]:
     Exact: a token-local surrogate (:data:`LOCAL_SURROGATES`, or an entropy bonus on one), no
     correction or a token-level IS / truncated IS / masked IS (rejects kept in the normalizer),
     no KL or a KL penalty in the loss, an advantage part that reads only the group's rewards
-    (the default ``from_batch``, not token-level), and an aggregation whose weight is constant or
-    ``w_0 / |y_i|`` (:func:`length_weights`). Not exact: sequence-level ratios or corrections
-    (GSPO's geometric mean, sequence IS, per-decision IS, sequence masks), a KL penalty in the
-    reward (the reward is then no longer few-valued), advantages that read lengths or tokens,
-    rejects leaving the normalizer, and the
-    token mean's normalizer ``Σ_j |y_j|`` coupling ``G >= 2`` responses.
+    (the default ``from_batch`` and ``per_sequence``, not token-level), and an aggregation whose
+    weight is constant or ``w_0 / |y_i|`` (:func:`length_weights`). Not exact: sequence-level
+    ratios or corrections (GSPO's geometric mean, sequence IS, per-decision IS, sequence masks),
+    a KL penalty in the reward (the reward is then no longer few-valued), advantages that read
+    lengths or tokens, rejects leaving the normalizer, and the token mean's normalizer
+    ``Σ_j |y_j|`` coupling ``G >= 2`` responses.
 
     Parameters
     ----------
@@ -91,8 +91,10 @@ def exact_support(estimator: Estimator, group_size: int) -> tuple[bool, str]:
     if isinstance(corr, MaskedIS) and not corr.masked_in_normalizer:
         return False, "masked IS rejects leave the normalizer (the counts become random)"
     part = estimator.advantage
+    overridden = [m for m in ("from_batch", "per_sequence")
+                  if getattr(type(part), m, None) is not getattr(Advantage, m, None)]
     if getattr(part, "token_level", False) or getattr(part, "couples_sequences", False) or \
-            getattr(type(part), "from_batch", None) is not getattr(Advantage, "from_batch", None):
+            overridden:
         return False, (f"advantage {part.describe()} reads more of the batch than the group's "
                        "rewards")
     if estimator.kl is not None and estimator.kl.in_reward:
@@ -199,6 +201,6 @@ def token_coefficients(estimator: Estimator, advantage: float, logprob: torch.Te
                        **{k: per_token(v) for k, v in fields.items()})
     lp = per_token(logprob.detach()).requires_grad_(True)
     with torch.enable_grad():
-        value, _ = loss(lp, batch, estimator)
+        value, _ = loss(lp, batch, estimator, metrics=False)
         (grad,) = torch.autograd.grad(value, lp)
     return -grad[:, 1:].reshape(T, K, V)

@@ -162,7 +162,7 @@ def step_gradients(mdp: LatticeMDP, batch: TokenBatch, policy_logprob: torch.Ten
     prepared = prepare(batch, estimator, max_len=T, step=batch.group)
     lp = policy_logprob.detach().requires_grad_(True)
     with torch.enable_grad():
-        value, _ = loss(lp, prepared, estimator)
+        value, _ = loss(lp, prepared, estimator, metrics=False)
         (grad,) = torch.autograd.grad(value, lp)
     rows, cols = batch.loss_mask.nonzero(as_tuple=True)
     t = cols - 1
