@@ -7,8 +7,9 @@
 * :func:`state_names`, :func:`route_table`, :func:`route_agreement_table` — the three routes to
   ``∇J`` side by side, coordinate by coordinate and policy by policy (section 3);
 * :func:`flat_grad_retained`, :func:`lemma_table` — the expected grad-log-prob lemma (section 4);
-* :func:`response_ids`, :func:`monte_carlo_figure`, :func:`monte_carlo_table`,
-  :func:`calibration_table` — Monte Carlo REINFORCE next to the exact gradient (section 5).
+* :func:`response_ids`, :func:`~tokenmdp.course.t01_figures.monte_carlo_figure`,
+  :func:`monte_carlo_table`, :func:`calibration_table` — Monte Carlo REINFORCE next to the
+  exact gradient (section 5).
 
 The gradients themselves (autograd, the enumerated REINFORCE loss, finite differences, the
 policy-gradient theorem) are computed in the notebook; a table helper takes them, or the

@@ -216,7 +216,8 @@ class Advantage:
     token_level: bool = False
     """True for parts whose advantages differ from token to token
     (:class:`~tokenmdp.estimators.token_advantages.TokenAdvantage`); ``prepare`` then calls
-    their ``token_advantages`` instead of :meth:`from_batch`."""
+    their ``token_advantages`` instead of
+    :meth:`~tokenmdp.estimators.Advantage.from_batch`."""
 
     def __call__(self, reward_S: torch.Tensor, group_S: torch.Tensor,
                  step_S: torch.Tensor | None = None) -> torch.Tensor:
