@@ -193,8 +193,13 @@ def sampled_draws(mdp, probs_N, group_size, prompts_per_batch, num_samples, gene
     while kept_count < needed:  # rejection sampling when groups are filtered
         prompts = torch.multinomial(mdp.prompt_probs, needed, replacement=True,
                                     generator=generator)
-        resp = torch.multinomial(per_prompt[prompts], group_size, replacement=True,
-                                 generator=generator)                              # [groups, G]
+        # responses prompt by prompt, from one row of μ each (never a [groups, n] copy of it)
+        resp = torch.empty(needed, group_size, dtype=torch.long)
+        for x in torch.unique(prompts).tolist():
+            rows = (prompts == x).nonzero(as_tuple=True)[0]
+            resp[rows] = torch.multinomial(per_prompt[x], rows.numel() * group_size,
+                                           replacement=True,
+                                           generator=generator).view(-1, group_size)
         groups = prompts[:, None] * n + resp
         drawn += needed
         if filter_groups:

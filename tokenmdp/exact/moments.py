@@ -21,8 +21,11 @@ Methods:
   ``n · C(K+G−2, G−1)`` batches, instead of ``C(n+G−1, G)`` for ``n`` responses
   and ``K`` types (:mod:`~tokenmdp.exact.exchangeability`);
 * ``"exact"``: the cheaper of the two; ``"monte_carlo"``: sampled batches with standard errors;
-  ``"auto"``: exact when at most ``max_exact_draws`` batches are needed and they fit the memory
-  budget (:mod:`~tokenmdp.exact.budget`), else Monte Carlo; ``Moments.method`` says which ran.
+  ``"auto"``: exact when its estimated time is at most that of the Monte Carlo run and it fits
+  the memory budget (:mod:`~tokenmdp.exact.budget`), else Monte Carlo; ``Moments.method`` says
+  which ran, and a Monte Carlo result carries standard errors. Monte Carlo is streamed: running
+  sums, memory O(parameters), results of several calls pooled by
+  :func:`~tokenmdp.exact.monte_carlo.pool` (:mod:`~tokenmdp.exact.monte_carlo`).
 
 In place of an estimator, any loss callable ``loss_fn(logprobs_RC, batch) -> scalar`` (with an
 optional ``prepare``): its per-token coefficients come from autograd on each enumerated batch,
@@ -58,16 +61,23 @@ from tokenmdp.exact.loss_fn_gradients import (
     ordered_draws,
 )
 from tokenmdp.exact.mdp import TokenMDP
-from tokenmdp.exact.moments_result import Moments, _exact_moments, _monte_carlo_moments
+from tokenmdp.exact.moments_result import Moments, _exact_moments
+from tokenmdp.exact.monte_carlo import NUM_CHUNKS, MonteCarloSums, pool
 from tokenmdp.exact.policies import check_policy
 from tokenmdp.exact.step_gradients import StepGradients
 
-__all__ = ["Moments", "moments", "exchangeability_cost"]
+__all__ = ["Moments", "moments", "exchangeability_cost", "pool"]
 
-#: Above this many batches to evaluate, ``method="auto"`` switches to Monte Carlo.
-MAX_EXACT_DRAWS = 200_000
-#: The same bound for a loss callable, which runs once per batch in Python.
+#: For a loss callable, which runs once per batch in Python: above this many batches to
+#: evaluate, ``method="auto"`` switches to Monte Carlo.
 MAX_EXACT_CALLS = 20_000
+#: Time of one streamed Monte Carlo batch of an Estimator relative to one exact batch
+#: (sampling, every parameter row of its gradient, the running sums; measured on one CPU thread
+#: with ``benchmarks/moments.py``: about 13,000 against 110,000 batches per second at G = 4).
+MC_COST_PER_BATCH = 8.0
+#: ``method="auto"`` takes an exact method of at most this many batches whatever the Monte Carlo
+#: run would cost (a few seconds at most, and no sampling error).
+ALWAYS_EXACT_DRAWS = 200_000
 #: Seed of the Monte Carlo generator when ``moments`` is given none.
 DEFAULT_MC_SEED = 0
 #: Estimated bytes per evaluated batch and response of an exact method (ids, probabilities,
@@ -75,6 +85,8 @@ DEFAULT_MC_SEED = 0
 BYTES_PER_DRAWN_RESPONSE = 32
 #: The full covariance matrix is kept when the policy has at most this many parameters.
 MAX_COVARIANCE_DIM = 512
+#: Monte Carlo batches folded into the running sums at once.
+MC_BLOCK = 8192
 METHODS = ("auto", "exact", "enumeration", "exchangeability", "monte_carlo")
 
 
@@ -125,8 +137,12 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
         ``P(kept)`` (estimated by the acceptance rate under Monte Carlo). Not with
         exchangeability.
     max_exact_draws : int, optional
-        ``"auto"`` picks an exact method when it evaluates at most this many batches (default
-        ``MAX_EXACT_DRAWS``, ``MAX_EXACT_CALLS`` for a loss callable).
+        A cap for ``"auto"``: an exact method that evaluates more batches is not picked
+        (default none for an Estimator, ``MAX_EXACT_CALLS`` for a loss callable). Below it,
+        ``"auto"`` picks the exact method unless its estimated time exceeds that of
+        ``num_samples`` Monte Carlo batches (``MC_COST_PER_BATCH`` exact batches each) or it
+        does not fit the memory budget, and always below ``ALWAYS_EXACT_DRAWS`` batches: it
+        never picks Monte Carlo where Monte Carlo would be both slower and less precise.
     jacobian : Tensor, optional
         :func:`~tokenmdp.exact.step_gradients.state_action_jacobian` of ``policy`` at its
         current parameters, when the caller compares many estimators at one ``θ``.
@@ -174,7 +190,7 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
     elif not isinstance(order_invariant, bool):
         raise TypeError(f"order_invariant: expected a bool or None, got {order_invariant!r}")
     if max_exact_draws is None:
-        max_exact_draws = MAX_EXACT_CALLS if custom else MAX_EXACT_DRAWS
+        max_exact_draws = MAX_EXACT_CALLS if custom else None
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
     if isinstance(prompts_per_batch, bool) or not isinstance(prompts_per_batch, int) \
@@ -201,8 +217,10 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
                                 group_size, jacobian)
     else:
         steps = StepGradients(mdp, policy, estimator, fields, group_size, jacobian)
+    num_samples = 4096 if num_samples is None else num_samples
     method = _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
-                     max_exact_draws, memory_budget, ordered=not order_invariant,
+                     max_exact_draws, memory_budget, num_samples=num_samples,
+                     mc_cost=1.0 if custom else MC_COST_PER_BATCH, ordered=not order_invariant,
                      typed=not custom)
     d = steps.num_params
     keep_cov = d <= MAX_COVARIANCE_DIM
@@ -220,24 +238,21 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator: expected a torch.Generator (or None), got "
                             f"{type(generator).__name__}")
-        num_samples = 4096 if num_samples is None else num_samples
         if num_samples < 2:
             raise ValueError(f"num_samples: need at least 2, got {num_samples}")
         ids, prob, p_keep = sampled_draws(mdp, mu_probs, group_size, prompts_per_batch,
                                           num_samples, generator, filter_groups)
+    if method == "monte_carlo":
+        return _streamed_monte_carlo(steps, ids, true_grad, keep_cov, p_keep)
     mean = torch.zeros(d, dtype=torch.float64)
     second = torch.zeros((), dtype=torch.float64)
     outer = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
-    per_draw = []
-    if keep_cov or method == "monte_carlo":          # dense per-batch gradients are small here
+    if keep_cov:                                      # dense per-batch gradients are small here
         for sl, g in steps.blocks(ids):
             p = prob[sl]
             mean += p @ g
             second += p @ (g * g).sum(1)
-            if keep_cov:
-                outer += (g * p[:, None]).T @ g
-            if method == "monte_carlo":
-                per_draw.append(g)
+            outer += (g * p[:, None]).T @ g
     else:                                             # large models: stay in coefficient space
         mean_C = torch.zeros(1, steps.num_pairs, dtype=torch.float64)
         for sl, (draw, pair, coef) in steps.sparse_blocks(ids):
@@ -245,13 +260,25 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
             mean_C[0].index_add_(0, pair, coef * p[draw])
             second += p @ steps.sq_norms(draw, pair, coef, int(p.numel()))
         mean = steps.to_params(mean_C)[0]
-    if method == "monte_carlo":
-        return _monte_carlo_moments(torch.cat(per_draw), true_grad, keep_cov, p_keep)
     return _exact_moments(mean, second, outer, true_grad, int(ids.shape[0]), p_keep, method)
 
 
+def _streamed_monte_carlo(steps, ids, true_grad, keep_cov, p_keep) -> Moments:
+    """Fold the sampled batches into running sums block by block (:mod:`~tokenmdp.exact.monte_carlo`)."""
+    sums = MonteCarloSums(true_grad, keep_cov, p_keep)
+    N = ids.shape[0]
+    chunk = torch.arange(N) * NUM_CHUNKS // N                  # the stream's batch-means chunks
+    block = max(1, min(MC_BLOCK, steps.chunk if steps.jacobian is not None or keep_cov
+                       else MC_BLOCK))
+    for sl, (draw, pair, coef) in steps.sparse_blocks(ids, block=block):
+        n = int(ids[sl].shape[0])
+        sums.add_rows(*steps.gradient_rows(draw, pair, coef, n), n, chunk[sl])
+    return sums.moments()
+
+
 def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
-            max_exact_draws, memory_budget=None, *, ordered=False, typed=True) -> str:
+            max_exact_draws, memory_budget=None, *, num_samples=4096, mc_cost=1.0,
+            ordered=False, typed=True) -> str:
     """Resolve ``auto`` / ``exact`` to a concrete method, check the requested one applies and
     that an exact one fits the memory budget (refused from its closed-form count). ``ordered``:
     the enumeration takes every ordered draw; ``typed``: the gradient is an Estimator's (whose
@@ -281,9 +308,13 @@ def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_
         best = min(costs, key=costs.get)
     width = group_size * prompts_per_batch
     need = costs[best] * (BYTES_PER_DRAWN_RESPONSE * width + 16)
-    if method == "auto" and (costs[best] > max_exact_draws or need > budget.memory_budget(
-            memory_budget)):
-        return "monte_carlo"
+    if method == "auto":
+        # exact is never less precise: Monte Carlo only when exact would take longer (batches
+        # times their relative cost), would not fit the budget, or exceeds a cap the caller set
+        slower = costs[best] > max(mc_cost * num_samples, ALWAYS_EXACT_DRAWS)
+        capped = max_exact_draws is not None and costs[best] > max_exact_draws
+        if slower or capped or need > budget.memory_budget(memory_budget):
+            return "monte_carlo"
     budget.check_budget(f"method={best}, group_size={group_size}, prompts_per_batch="
                         f"{prompts_per_batch}, {mdp.responses_per_prompt} responses per prompt",
                         costs[best], "batches", need, memory_budget=memory_budget)

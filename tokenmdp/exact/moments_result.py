@@ -11,7 +11,7 @@ re-exported by :mod:`tokenmdp.exact.moments` and :mod:`tokenmdp.exact`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +51,10 @@ class Moments:
         Monte Carlo: standard error of ``cosine`` (delta method).
     keep_probability : float, default 1.0
         With ``filter_groups``: the probability that a drawn group is kept.
+    monte_carlo_sums : MonteCarloSums or None, default None
+        Monte Carlo: the running sums the figures come from
+        (:class:`~tokenmdp.exact.monte_carlo.MonteCarloSums`), which
+        :func:`~tokenmdp.exact.monte_carlo.pool` adds across calls.
     """
 
     mean: torch.Tensor
@@ -65,6 +69,7 @@ class Moments:
     relative_bias_se: float | None = None
     cosine_se: float | None = None
     keep_probability: float = 1.0
+    monte_carlo_sums: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def bias(self) -> torch.Tensor:

@@ -279,6 +279,42 @@ class StepGradients:
         return torch.zeros(num_draws, dtype=torch.float64).index_add_(
             0, keys // self.mdp.num_states, (g * g).sum(-1))
 
+    def gradient_rows(self, draw: torch.Tensor, pair: torch.Tensor, coef: torch.Tensor,
+                      num_draws: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``ĝ`` of each batch as rows over the parameters it touches (the sparse form).
+
+        Tabular: one row per (batch, visited state), ``ĝ[s, ·] = C[s, ·] − π(·|s) Σ_a C[s, a]``
+        over that state's ``V`` logits; otherwise one dense row per batch.
+
+        Parameters
+        ----------
+        draw, pair, coef : Tensor ``[T]``
+            Per-token batch, state-action pair and coefficient (:meth:`coefficients`).
+        num_draws : int
+            The number of batches.
+
+        Returns
+        -------
+        row_draw : LongTensor ``[U]``
+            The batch of each row.
+        cols : LongTensor ``[U, w]``
+            The parameter indices of each row (distinct within a batch).
+        vals : Tensor ``[U, w]``
+            The gradient entries.
+        """
+        if self.jacobian is not None:
+            g = self.to_params(self.dense(draw, pair, coef, num_draws))
+            cols = torch.arange(self.num_params).expand(num_draws, -1)
+            return torch.arange(num_draws), cols, g
+        V, S = self.mdp.vocab_size, self.mdp.num_states
+        state, action = pair // V, pair % V
+        keys, inverse = torch.unique(draw * S + state, return_inverse=True)
+        buf = torch.zeros(keys.numel(), V, dtype=torch.float64)
+        buf.index_put_((inverse, action), coef, accumulate=True)       # C[draw, state, :]
+        states = keys % S
+        vals = buf - self.tabular_probs[states] * buf.sum(-1, keepdim=True)
+        return keys // S, states[:, None] * V + torch.arange(V), vals
+
     def __call__(self, ids: torch.Tensor, *, first_only: bool = False) -> torch.Tensor:
         """``ĝ`` ``[D, num_params]`` of batches ``ids`` ``[D, width]`` (dense)."""
         draw, pair, coef = self.coefficients(ids, first_only=first_only)
