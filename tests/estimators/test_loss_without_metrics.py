@@ -31,3 +31,24 @@ def test_metrics_false_is_the_same_loss_and_gradient(batch, data):
         assert m0 == {} and "tokens" in m1, name
         assert torch.equal(v0, v1), name
         assert (g0 is None and g1 is None) or torch.equal(g0, g1), name
+
+
+def _fresh(batch):
+    """The same batch as a new object (no step constants cached for it)."""
+    return batch.replace(loss_weight=batch.loss_weight.clone())
+
+
+@settings(max_examples=15, deadline=None)
+@given(token_batches(with_logprobs=True))
+def test_step_constants_are_recomputed_when_they_must_be(batch):
+    a, b = E.get("dapo_tis"), E.get("grpo_mis")
+    step_a, step_b = E.prepare(batch, a, max_len=8), E.prepare(batch, b, max_len=8)
+    first = _loss_and_grad(step_a, a)[:2]
+    again = _loss_and_grad(step_a, a)[:2]                          # cached
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    other = _loss_and_grad(step_a, b)[:2]                          # another estimator
+    assert torch.equal(other[0], _loss_and_grad(_fresh(step_a), b)[0])
+    step_a.loss_weight.mul_(2.0)                                   # an in-place change
+    doubled = _loss_and_grad(step_a, a)[0]
+    assert torch.equal(doubled, _loss_and_grad(_fresh(step_a), a)[0])
+    assert torch.equal(_loss_and_grad(step_b, b)[0], _loss_and_grad(_fresh(step_b), b)[0])

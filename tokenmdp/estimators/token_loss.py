@@ -12,6 +12,8 @@ them, so the micro-batch losses sum to the full-step loss::
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from tokenmdp.batch import TokenBatch
@@ -69,13 +71,12 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator, *,
     mask = batch.loss_mask
     logprobs_RC = torch.where(mask, logprobs_RC, 0.0)
     terms = estimator.surrogate(logprobs_RC, batch)
-    factor = estimator.correction(batch)
     # Detached per-token weights, 0 off the loss tokens: loss_weight, times the correction factor
     # for the surrogate. Folding the constant factor into the weight keeps it off the autograd
     # graph; the terms are finite off the loss tokens (log-probs 0 there, ratios capped), so
-    # their zero weight removes them.
-    weight_RC = torch.where(mask, batch.loss_weight, 0.0)
-    surrogate_weight_RC = weight_RC if factor.factor_RC is None else weight_RC * factor.factor_RC
+    # their zero weight removes them. They are constants of the step: computed once per
+    # (batch, estimator) and reused by later calls (_step_constants).
+    factor, weight_RC, surrogate_weight_RC = _step_constants(batch, estimator)
     total = -_weighted_sum(surrogate_weight_RC, terms.term_RC)
     k_RC = None
     if estimator.kl is not None and not estimator.kl.in_reward:
@@ -92,6 +93,34 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator, *,
             level = getattr(estimator.correction, "level", Level.TOKEN)
             out.update(correction_diagnostics(batch, sequence=level is not Level.TOKEN))
     return total, out
+
+
+#: The fields a step constant is computed from (their in-place changes invalidate it).
+_CONSTANT_INPUTS = ("loss_mask", "loss_weight", "old_logprob", "behavior_logprob", "advantage",
+                    "ref_logprob")
+_constants: dict[int, tuple] = {}
+
+
+def _step_constants(batch: TokenBatch, estimator: Estimator):
+    """``(correction factor, weight_RC, surrogate_weight_RC)`` of ``batch`` under ``estimator``,
+    cached while ``batch`` lives and its inputs keep their tensor versions (an in-place change
+    recomputes them), for the last estimator used on it; gradient mode is irrelevant (they carry
+    no graph)."""
+    versions = tuple(None if getattr(batch, f) is None else
+                     (id(getattr(batch, f)), getattr(batch, f)._version) for f in _CONSTANT_INPUTS)
+    hit = _constants.get(id(batch))
+    if hit is not None and hit[0]() is batch and hit[1] is estimator and hit[2] == versions:
+        return hit[3]
+    with torch.no_grad():
+        factor = estimator.correction(batch)
+        weight_RC = torch.where(batch.loss_mask, batch.loss_weight, 0.0)
+        surrogate_weight_RC = (weight_RC if factor.factor_RC is None
+                               else weight_RC * factor.factor_RC)
+    value = (factor, weight_RC, surrogate_weight_RC)
+    key = id(batch)
+    _constants[key] = (weakref.ref(batch, lambda _, key=key: _constants.pop(key, None)),
+                       estimator, versions, value)
+    return value
 
 
 def _weighted_sum(weight_RC: torch.Tensor, values_RC: torch.Tensor) -> torch.Tensor:
