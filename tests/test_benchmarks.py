@@ -60,6 +60,8 @@ def test_losses_benchmark_small():
                      "--estimators", "reinforce,grpo,gspo")
     for name in ("reinforce", "grpo", "gspo"):
         assert name in out, out
+    for promise in ("+metrics", "loss only", "with head", "verl block", "target <= 1.0x"):
+        assert promise in out, out
 
 
 def test_packing_benchmark_small():
@@ -70,16 +72,22 @@ def test_packing_benchmark_small():
 
 def test_moments_benchmark_small():
     out = run_script("moments.py", "--vocab", "5", "--max-len", "2", "--mc-batches", "64",
-                     "--estimators", "grpo,dapo")
-    assert "total exact time" in out, out
+                     "--estimators", "grpo,dapo", "--group-sizes", "2", "8")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["2"], ["8"])]
+    assert [r[0] for r in rows] == ["2", "8"] and "<=" in rows[1], out   # G = 8 has a target
+    for promise in ("streamed sums", "batches/s", "target >= 10x", "1% standard error",
+                    "auto at G = 4: chose", "same mean"):
+        assert promise in out, out
 
 
 def test_exact_scaling_benchmark_small():
     out = run_script("exact_scaling.py", "--lengths", "2", "3")
-    rows = [line.split() for line in out.splitlines()[1:]]
+    rows = [line.split() for line in out.splitlines()[1:] if line[:10].strip().isdigit()]
     assert [int(r[0]) for r in rows] == [111, 1111]
-    # the level recursion and the per-sequence loop agree (float64)
+    # the tree pass and the per-sequence loop agree (float64)
     assert all(float(r[-1]) < 1e-12 for r in rows), out
+    assert "build + J + ∇J" in out and "target <= 1 s" in out, out
+    assert "111,111,111 sequences under a 24G budget: refused" in out, out
 
 
 def test_lattice_benchmark_small(tmp_path):

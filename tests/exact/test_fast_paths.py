@@ -213,7 +213,7 @@ def test_packed_batches_evaluate_every_term_exactly_once():
     assert ids.shape[0] < int((q > 0).sum()) * len(index)                # fewer than one per term
 
 
-def test_cross_term_chunks_agree(monkeypatch):
+def test_chunked_cross_term_and_packing_agree(monkeypatch):
     from tokenmdp import estimators as E
     from tokenmdp.exact import exchangeability, inference_copy, moments, stale_copy
     mdp = TokenMDP(3, 3, RandomTable(seed=5, binary_p=0.5), prompts=[(0,), (1,)])
@@ -223,6 +223,7 @@ def test_cross_term_chunks_agree(monkeypatch):
     kw = dict(group_size=4, behavior=mu, old=old, reference=old, method="exchangeability")
     whole = moments(mdp, pi, E.get("grpo"), **kw)
     monkeypatch.setattr(exchangeability, "CROSS_CHUNK_ENTRIES", 7)
+    monkeypatch.setattr(exchangeability, "PACK_BLOCK", 3)       # and the batches in pieces
     chunked = moments(mdp, pi, E.get("grpo"), **kw)
     assert abs(whole.total_variance - chunked.total_variance) <= EXACT_TOL
     assert (whole.covariance - chunked.covariance).abs().max() <= EXACT_TOL

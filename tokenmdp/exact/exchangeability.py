@@ -86,6 +86,8 @@ def _type_keys(steps: StepGradients) -> torch.Tensor:
 MAX_COUNTED_MULTISETS = 200_000
 #: Entries of one chunk of the cross term's gathered rows (two such chunks live at once).
 CROSS_CHUNK_ENTRIES = 1 << 24
+#: Packed batches built at once (whole multisets of types; their per-slot arrays are freed after).
+PACK_BLOCK = 1 << 17
 
 
 def _members(type_of: torch.Tensor, q: torch.Tensor, K: int) -> list[torch.Tensor]:
@@ -146,16 +148,18 @@ def exchangeability_cost(mdp: TokenMDP, type_key_N: torch.Tensor, probs_N: torch
     return total
 
 
-def _packed_batches(full: torch.Tensor, members: list[torch.Tensor], rep: torch.Tensor,
-                    others_index: dict, G: int):
+def _packed_groups(full: torch.Tensor, members: list[torch.Tensor], rep: torch.Tensor,
+                   others_index: dict, G: int, block: int | None = None):
     """The batches of every full multiset of types, each slot filled with a new response of its
-    type (a representative, flagged invalid, once they run out).
+    type (a representative, flagged invalid, once they run out), yielded about ``block`` batches
+    at a time (whole multisets) so that the per-slot arrays stay bounded.
 
-    Returns ``ids [B, G]`` (local response ids), and per slot ``valid [B, G]`` and ``row [B, G]``:
+    Yields ``ids [B, G]`` (local response ids), and per slot ``valid [B, G]`` and ``row [B, G]``:
     the row ``τ · Mo + index(M − τ)`` of the accumulator ``A`` that the slot's term belongs to."""
     Mo = len(others_index)
+    block = PACK_BLOCK if block is None else block
     n_type = [m.numel() for m in members]
-    ids, valid, rows = [], [], []
+    ids, valid, rows, count = [], [], [], 0
     for M in full.tolist():
         types = sorted(set(M))
         nb = max(-(-n_type[t] // M.count(t)) for t in types)
@@ -180,7 +184,18 @@ def _packed_batches(full: torch.Tensor, members: list[torch.Tensor], rep: torch.
         ids.append(b_ids)
         valid.append(b_valid)
         rows.append(b_rows)
-    return torch.cat(ids), torch.cat(valid), torch.cat(rows)
+        count += nb
+        if count >= block:
+            yield torch.cat(ids), torch.cat(valid), torch.cat(rows)
+            ids, valid, rows, count = [], [], [], 0
+    if ids:
+        yield torch.cat(ids), torch.cat(valid), torch.cat(rows)
+
+
+def _packed_batches(full, members, rep, others_index, G):
+    """All of :func:`_packed_groups` at once."""
+    parts = list(_packed_groups(full, members, rep, others_index, G))
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
 
 
 def _cross(A: torch.Tensor, p_rest: torch.Tensor, rest: torch.Tensor, others_index: dict,
@@ -215,7 +230,7 @@ def _by_exchangeability(steps: StepGradients, mdp: TokenMDP, probs_N: torch.Tens
     ``A[τ, m] = Σ_{y of type τ} μ(y) g(y; m)``, the own term of a response of type ``τ`` whose
     group's others have types ``m``, is accumulated from packed batches: a batch of the full
     multiset ``M`` of types evaluates, in each slot, a response of the slot's type ``τ``
-    against the others ``M − τ`` (:func:`_packed_batches`)."""
+    against the others ``M − τ`` (:func:`_packed_groups`)."""
     d = steps.num_params
     n = mdp.responses_per_prompt
     mean = torch.zeros(d, dtype=torch.float64)
@@ -229,28 +244,28 @@ def _by_exchangeability(steps: StepGradients, mdp: TokenMDP, probs_N: torch.Tens
         Mo = others.shape[0]
         others_index = {tuple(row): i for i, row in enumerate(others.tolist())}
         q = probs_N[x * n:(x + 1) * n]
-        local, valid, rows = _packed_batches(multisets(K, G)[0], _members(type_of, q, K),
-                                             rep - x * n, others_index, G)
-        ids = x * n + local                                             # [B, G]
-        q_slot = torch.where(valid, q[local], 0.0).reshape(-1)         # μ(y), 0 if padding
-        w_slot = q_slot * p_others[rows % Mo].reshape(-1)              # P(y) P(others)
-        row_slot = rows.reshape(-1)
         A_C = torch.zeros(K * Mo, steps.num_pairs, dtype=torch.float64)
         sq1 = torch.zeros((), dtype=torch.float64)
         S1 = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
-        for sl, (seq, pair, coef) in steps.sparse_blocks(ids, per_sequence=True):
-            base = sl.start * G
-            n_seq = int(ids[sl].numel())
-            w = w_slot[base:base + n_seq]
-            sq1 += w @ steps.sq_norms(seq, pair, coef, n_seq, one_path=True)
-            A_C.index_put_((row_slot[base + seq], pair), coef * q_slot[base + seq],
-                           accumulate=True)
-            if keep_cov:
-                g = steps.to_params(steps.dense(seq, pair, coef, n_seq))
-                S1 += (g * w[:, None]).T @ g
-        A = steps.to_params(A_C)
+        for local, valid, rows in _packed_groups(multisets(K, G)[0], _members(type_of, q, K),
+                                                 rep - x * n, others_index, G):
+            ids = x * n + local                                         # [B, G]
+            q_slot = torch.where(valid, q[local], 0.0).reshape(-1)     # μ(y), 0 if padding
+            w_slot = q_slot * p_others[rows % Mo].reshape(-1)          # P(y) P(others)
+            row_slot = rows.reshape(-1)
+            for sl, (seq, pair, coef) in steps.sparse_blocks(ids, per_sequence=True):
+                base = sl.start * G
+                n_seq = int(ids[sl].numel())
+                w = w_slot[base:base + n_seq]
+                sq1 += w @ steps.sq_norms(seq, pair, coef, n_seq, one_path=True)
+                A_C.index_put_((row_slot[base + seq], pair), coef * q_slot[base + seq],
+                               accumulate=True)
+                if keep_cov:
+                    g = steps.to_params(steps.dense(seq, pair, coef, n_seq))
+                    S1 += (g * w[:, None]).T @ g
+            evaluated += ids.shape[0]
+        A = steps.to_params_(A_C)
         del A_C
-        evaluated += ids.shape[0]
         A = A.view(K, Mo, d)
         mean_x = G * torch.einsum("m,kmd->d", p_others, A)
         # cross term: types τ1, τ2 of samples 1, 2 and the multiset m' of the other G-2;

@@ -242,6 +242,26 @@ class StepGradients:
         C = C.view(C.shape[0], -1, self.mdp.vocab_size)
         return (C - self.tabular_probs * C.sum(-1, keepdim=True)).reshape(C.shape[0], -1)
 
+    def to_params_(self, C: torch.Tensor) -> torch.Tensor:
+        """:meth:`to_params`, overwriting ``C`` when the policy is tabular (no second copy of a
+        large coefficient matrix); ``C`` must not be used afterwards.
+
+        Parameters
+        ----------
+        C : Tensor ``[n, num_states * V]``
+            Coefficient rows, contiguous.
+
+        Returns
+        -------
+        Tensor ``[n, num_params]``
+            The gradients (``C``'s memory for a tabular policy).
+        """
+        if self.jacobian is not None:
+            return self.to_params(C)
+        view = C.view(C.shape[0], -1, self.mdp.vocab_size)
+        view.addcmul_(self.tabular_probs, view.sum(-1, keepdim=True), value=-1.0)
+        return C
+
     def sq_norms(self, draw: torch.Tensor, pair: torch.Tensor, coef: torch.Tensor,
                  num_draws: int, *, one_path: bool = False) -> torch.Tensor:
         """``‖ĝ_draw‖²`` ``[num_draws]``, touching only the states each draw visits (tabular).
