@@ -33,6 +33,7 @@ import torch
 
 from tokenmdp import estimators as E
 from tokenmdp.exact import TabularPolicy, TokenMDP, inference_copy, moments, stale_copy
+from tokenmdp.exact.exchangeability import reduces_to_types
 from tokenmdp.exact.ground_truth import gradient, sequence_probs
 from tokenmdp.exact.group_draws import sampled_draws
 from tokenmdp.exact.moments_result import _monte_carlo_moments
@@ -155,7 +156,12 @@ def main() -> None:
         E.get(name)
     mdp, pi, kw = world(args.vocab, args.max_len)
     print(f"{mdp!r}; {mdp.num_states * mdp.vocab_size} parameters; stale + bf16/noisy "
-          f"inference engine; {torch.get_num_threads()} thread(s)\n")
+          f"inference engine; {torch.get_num_threads()} thread(s)")
+    coupled = [n for n in names if not reduces_to_types(E.get(n))]
+    names = [n for n in names if n not in coupled]
+    if coupled:     # their exact moments need the enumeration, out of reach at this size
+        print(f"not reducible to types (enumeration only), left out: {', '.join(coupled)}")
+    print()
     group_sizes_table(mdp, pi, kw, names, args.group_sizes)
     monte_carlo_table(mdp, pi, kw, args.mc_batches)
     if args.memory_check:

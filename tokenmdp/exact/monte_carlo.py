@@ -43,18 +43,22 @@ class MonteCarloSums:
         Also sum ``g_i g_i^T`` (``[d, d]``; small policies only).
     p_keep : float, default 1.0
         The acceptance rate of filtered groups (carried to :class:`Moments`).
+
+    The sums themselves (``n``, ``sum_g``, ``sum_g2``, ``sum_ag`` ``[d]``, ``sum_a``,
+    ``sum_a2``, the stream's ``chunks`` and, with ``keep_cov``, ``outer``) start at zero and
+    grow with :meth:`add_rows`.
     """
 
     true_gradient: torch.Tensor
     keep_cov: bool
     p_keep: float = 1.0
-    n: int = 0
+    n: int = field(default=0, init=False)
     sum_g: torch.Tensor = field(init=False)
     sum_g2: torch.Tensor = field(init=False)
     sum_ag: torch.Tensor = field(init=False)
-    sum_a: float = 0.0
-    sum_a2: float = 0.0
-    chunks: list = field(default_factory=list)
+    sum_a: float = field(default=0.0, init=False)
+    sum_a2: float = field(default=0.0, init=False)
+    chunks: list = field(default_factory=list, init=False)
     outer: torch.Tensor | None = field(init=False)
 
     def __post_init__(self) -> None:
