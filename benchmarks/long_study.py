@@ -212,6 +212,32 @@ def train_sft(args, length: int) -> dict:
             "steps": len(rows), "seconds": time.perf_counter() - t0}
 
 
+def engine_accuracy(cfg, checkpoint: str) -> float:
+    """Held-out accuracy of the model in ``checkpoint`` by the engine of ``cfg`` (its precision
+    and its dial, as the RL run's own evaluations): the start that run's Δ acc is measured from.
+    The trainer's evaluation, step 0 (split, temperature, generator seed ``eval_seed``)."""
+    import torch
+
+    from tokenmdp.rl.rollout import RolloutEngine
+    from tokenmdp.rl.tasks import get_task
+    from tokenmdp.rl.trainer import build_model
+
+    task = get_task(cfg.task)
+    model = build_model(cfg, task.tokenizer.vocab_size)
+    model.load_state_dict(torch.load(checkpoint, map_location=cfg.device,
+                                     weights_only=True)["model"])
+    engine = RolloutEngine(model, precision=cfg.rollout_precision,
+                           logit_noise=cfg.rollout_logit_noise)
+    eval_set = task.eval_split(cfg.eval_size, cfg.eval_seed)
+    with torch.no_grad():
+        batch = engine.generate([task.tokenizer.encode(ex.prompt) for ex in eval_set],
+                                max_new_tokens=cfg.max_new_tokens, eos_id=task.tokenizer.EOS,
+                                generator=torch.Generator(device=cfg.device).manual_seed(
+                                    cfg.eval_seed), temperature=cfg.eval_temperature)
+    return float(np.mean([task.is_correct(ex, r) for ex, (_, r) in
+                          zip(eval_set, batch.sequences())]))
+
+
 # ---------------------------------------------------------------------------------- summaries
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error of the mean over seeds (NaN SE for a single value)."""
@@ -238,7 +264,7 @@ SUMMARY = (("final acc", "final_acc", "{:.3f}"), ("Δ acc vs SFT", "gain", "{:+.
 
 def write_tables(out: Path, results: list[dict], header: str) -> str:
     lines = [header, "", f"Mean ± standard error over seeds {sorted({r['seed'] for r in results})}"
-             " (Δ acc: final held-out accuracy minus the SFT checkpoint's):", "",
+             " (Δ acc: final held-out accuracy minus the SFT checkpoint's, both by the run's engine):", "",
              "| group | run | L | sigma | " + " | ".join(c[0] for c in SUMMARY) + " | skipped |",
              "|" + "---|" * (len(SUMMARY) + 5)]
     for name in dict.fromkeys(r["name"] for r in results):
@@ -383,13 +409,16 @@ def main(argv=None) -> list[dict]:
     outcomes = run_all(cfgs, workers, specs)
     runs_s = time.perf_counter() - t_runs
 
-    results, curves = [], {}
+    results, curves, starts = [], {}, {}
     for spec, cfg, outcome in zip(specs, cfgs, outcomes):
         key = f"{spec['name']}_s{spec['seed']}"
         curves[key] = read_rows(Path(cfg.out_dir) / "metrics.jsonl")
         summary = summarize(curves[key], cfg.eval_size) if curves[key] else {
             "final_acc": float("nan"), "skipped": 0}
-        sft_acc = sft[spec["length"]]["accuracy"]
+        start = (spec["length"], spec["sigma"])
+        if start not in starts:  # the SFT checkpoint by this run's engine (its dial included)
+            starts[start] = engine_accuracy(cfg, sft[spec["length"]]["checkpoint"])
+        sft_acc = starts[start]
         results.append({**spec, "key": key, "sft_acc": sft_acc, **summary, **outcome,
                         "gain": summary["final_acc"] - sft_acc})
     total_s = time.perf_counter() - t_start
