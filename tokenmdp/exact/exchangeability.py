@@ -116,7 +116,7 @@ def exchangeability_cost(mdp: TokenMDP, type_key_N: torch.Tensor, probs_N: torch
     probability: each batch of ``M`` fills its ``c_τ`` slots of type ``τ`` with ``c_τ`` new such
     responses, so every slot is a useful evaluation. It is at most ``Σ_x n_x C(K_x + G − 2,
     G − 1)`` (one batch per response and multiset of the others), the value returned when
-    there are more than :data:`MAX_COUNTED_MULTISETS` multisets.
+    there are more than ``MAX_COUNTED_MULTISETS`` multisets.
 
     Parameters
     ----------
