@@ -45,8 +45,9 @@ class MonteCarloSums:
         The acceptance rate of filtered groups (carried to :class:`Moments`).
 
     The sums themselves (``n``, ``sum_g``, ``sum_g2``, ``sum_ag`` ``[d]``, ``sum_a``,
-    ``sum_a2``, the stream's ``chunks`` and, with ``keep_cov``, ``outer``) start at zero and
-    grow with :meth:`add_rows`.
+    ``sum_a2``, the stream's ``chunks``: per call a ``[NUM_CHUNKS]`` count and a
+    ``[NUM_CHUNKS, d]`` sum, and with ``keep_cov``, ``outer``) start at zero and grow with
+    :meth:`add_rows`.
     """
 
     true_gradient: torch.Tensor
@@ -95,10 +96,13 @@ class MonteCarloSums:
         self.sum_a2 += float(a @ a)
         self.sum_ag.index_add_(0, flat_cols, (a[draw][:, None] * vals).reshape(-1))
         d = tg.numel()
-        for c in torch.unique(chunk_of_draw).tolist():
-            on = chunk_of_draw[draw] == c
-            s = tg.new_zeros(d).index_add_(0, cols[on].reshape(-1), vals[on].reshape(-1))
-            self.chunks.append((int((chunk_of_draw == c).sum()), s))
+        if not self.chunks:                  # [NUM_CHUNKS, d] sums and counts, one index_add
+            self.chunks.append((torch.zeros(NUM_CHUNKS, dtype=torch.long),
+                                tg.new_zeros(NUM_CHUNKS, d)))
+        counts, sums = self.chunks[-1]
+        counts += torch.bincount(chunk_of_draw, minlength=NUM_CHUNKS)
+        sums.view(-1).index_add_(0, (chunk_of_draw[draw][:, None] * d + cols).reshape(-1),
+                                 flat_vals)
         if self.keep_cov:
             g = tg.new_zeros(num_draws, d).index_put_((draw[:, None].expand_as(cols), cols),
                                                       vals, accumulate=True)
@@ -186,9 +190,10 @@ class MonteCarloSums:
                        monte_carlo_sums=self)
 
     def _chunk_sums(self) -> list:
-        """Consecutive stream chunks merged down to at most :data:`NUM_CHUNKS` (pooled results
-        bring their own chunks)."""
-        sums = list(self.chunks)
+        """``(count, sum)`` of the stream's chunks, merged down to at most :data:`NUM_CHUNKS`
+        (each pooled result brings its own ``NUM_CHUNKS``)."""
+        sums = [(int(c), s) for counts, rows in self.chunks for c, s in zip(counts, rows)
+                if int(c) > 0]
         while len(sums) > NUM_CHUNKS:
             sums = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(sums[::2], sums[1::2])] + (
                 [sums[-1]] if len(sums) % 2 else [])
