@@ -55,7 +55,7 @@ def running_sum_trace(digits: str) -> str:
 
 
 class RunningSum(Task):
-    """``"d_1 ... d_L="`` → the running sums modulo 10 (``L`` digits, then EOS).
+    """``L`` digits and ``=`` → their running sums modulo 10 (``L`` digits, then EOS).
 
     Parameters
     ----------
