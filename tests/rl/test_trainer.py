@@ -133,7 +133,8 @@ def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch
         return model.embed.sum() * float("nan"), {"tokens": torch.tensor(1.0)}
 
     monkeypatch.setattr(run_state, "minibatch_loss", nan_loss)  # where _Run looks it up
-    cfg = TrainConfig(mode="sft", steps=5, max_nonfinite=2, out_dir=str(tmp_path), **TINY)
+    cfg = TrainConfig(mode="sft", steps=5, max_nonfinite=2, out_dir=str(tmp_path),
+                      checkpoint_every=1, **TINY)   # a checkpoint after the skipped step
     before = trainer._Run(cfg).model.embed.detach().clone()
     with pytest.raises(NonFiniteError):
         train(cfg)

@@ -118,7 +118,7 @@ class TrainConfig:
         Replace the run already in ``out_dir`` (without it, a non-empty ``out_dir`` is refused).
     checkpoint_every : int, default 10
         Write the checkpoint every this many steps and at the last (0: only at the last). Writing
-        it every step cost about 9% of a small run's time; every 10 steps bounds the work lost
+        it every step cost about 9 percent of a small run's time; every 10 steps bounds the work lost
         to a crash to 9 steps, and a resumed run still repeats the uninterrupted one exactly
         (``1`` for a checkpoint after every step).
     max_nonfinite : int, default 3
