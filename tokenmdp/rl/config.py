@@ -32,7 +32,8 @@ class TrainConfig:
     mode : str, default "rl"
         Loop: rl (rollout, reward, estimator updates) or sft (demonstrations, advantage 1).
     task : str, default "addition"
-        Task name: addition, sorting or count (:mod:`tokenmdp.rl.tasks`).
+        Task name: addition, sorting, count, or the long-answer running_sum_L (L = 8, 16, 32,
+        64, 128; :mod:`tokenmdp.rl.tasks`, :mod:`tokenmdp.rl.long_tasks`).
     estimator : str, default "dapo"
         Estimator registry name (``tokenmdp estimators`` lists them); ignored by sft.
     replay : str, default "none"
