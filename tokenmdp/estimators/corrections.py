@@ -241,26 +241,20 @@ class Correction:
         raise NotImplementedError
 
     def prepare_step(self, batch: TokenBatch, step: torch.Tensor | None) -> TokenBatch:
-        """Step-wide preparation, called once by :func:`~tokenmdp.estimators.prepare` after
-        ``advantage`` and ``loss_weight`` are filled; the default returns ``batch`` unchanged.
-
-        A part whose loss needs a statistic of the whole optimizer step (a selection of tokens,
-        a self-normalizing sum) computes it here from the detached fields (``old_logprob``,
-        ``behavior_logprob``, ``advantage``, ``loss_weight``) and stores it in ``loss_weight`` or
-        ``token_extras``, so that :func:`~tokenmdp.estimators.loss` on any micro-batch reads it.
+        """Step-wide preparation, as :meth:`~tokenmdp.estimators.Surrogate.prepare_step`
+        (called after the surrogate's; self-normalized IS computes its factors here).
 
         Parameters
         ----------
         batch : TokenBatch
             The batch of the step(s), ``advantage`` and ``loss_weight`` filled.
         step : LongTensor ``[S]`` or None
-            The optimizer-step id of each sequence when several steps are stacked (statistics
-            must then be each step's own), None for one step.
+            The optimizer-step id of each sequence when steps are stacked.
 
         Returns
         -------
         TokenBatch
-            ``batch``, or a copy with the part's step-wide quantities.
+            ``batch`` (the default), or a copy with the part's step-wide quantities.
         """
         return batch
 
