@@ -179,45 +179,43 @@ def _check_routing(mdp: TokenMDP, model: MoETransformer, routing) -> torch.Tenso
     return experts
 
 
-class _TabulatedLogProbs:
-    """The policy protocol's reads of a policy tabulated as log-probs over every state
-    (``_table()``, ``[num_states, V]``): they are their own logits."""
+# The policy protocol's reads of a policy tabulated as log-probs over every state (its
+# ``_table()``, ``[num_states, V]``): RoutedPolicy and EnginePolicy share them.
+def _tabulated_logits(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    """Log-probs ``[N, V]`` at the given states (they are their own logits).
 
-    def logits(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """Log-probs ``[N, V]`` at the given states (they are their own logits).
+    Parameters
+    ----------
+    prompt_index : LongTensor ``[N]``
+        The prompt of each state.
+    prefix : LongTensor ``[N, k]``
+        The response tokens so far of each state.
 
-        Parameters
-        ----------
-        prompt_index : LongTensor ``[N]``
-            The prompt of each state.
-        prefix : LongTensor ``[N, k]``
-            The response tokens so far of each state.
+    Returns
+    -------
+    Tensor ``[N, V]``
+        Float64 log-probs.
+    """
+    return self._table()[self.mdp.state_index(prompt_index, prefix)]
 
-        Returns
-        -------
-        Tensor ``[N, V]``
-            Float64 log-probs.
-        """
-        return self._table()[self.mdp.state_index(prompt_index, prefix)]
+def _tabulated_level_logits(self, k: int) -> torch.Tensor:
+    """Log-probs of every state at depth ``k``, in global state order.
 
-    def level_logits(self, k: int) -> torch.Tensor:
-        """Log-probs of every state at depth ``k``, in global state order.
+    Parameters
+    ----------
+    k : int
+        The depth, ``0 <= k < L``.
 
-        Parameters
-        ----------
-        k : int
-            The depth, ``0 <= k < L``.
-
-        Returns
-        -------
-        Tensor ``[P * b^k, V]``
-            Float64 log-probs.
-        """
-        offs = self.mdp.level_offsets
-        return self._table()[offs[k]:offs[k + 1]]
+    Returns
+    -------
+    Tensor ``[P * b^k, V]``
+        Float64 log-probs.
+    """
+    offs = self.mdp.level_offsets
+    return self._table()[offs[k]:offs[k + 1]]
 
 
-class RoutedPolicy(_TabulatedLogProbs, PrefixPolicy):
+class RoutedPolicy(PrefixPolicy):
     """``π_θ`` of a float64 MoE model with its expert selection fixed to ``routing`` (or free).
 
     Differentiable in the model's parameters (the same parameters, in the same order, as
@@ -254,8 +252,11 @@ class RoutedPolicy(_TabulatedLogProbs, PrefixPolicy):
         lp_RCV = self.model.next_token_logprobs(self.mdp.enumerate(), self.routing)
         return lp_RCV[self._rows, self._cols]
 
+    logits = _tabulated_logits
+    level_logits = _tabulated_level_logits
 
-class EnginePolicy(_TabulatedLogProbs, PrefixPolicy):
+
+class EnginePolicy(PrefixPolicy):
     """The behaviour policy ``μ`` of an engine's model in its own numerics, as a float64 table.
 
     The engine's next-token log-probs on the enumeration (one full forward pass, no KV cache) are
@@ -284,6 +285,9 @@ class EnginePolicy(_TabulatedLogProbs, PrefixPolicy):
 
     def _table(self) -> torch.Tensor:
         return self.table
+
+    logits = _tabulated_logits
+    level_logits = _tabulated_level_logits
 
 
 def expected_flip_fraction(mdp: TokenMDP, routing_a: torch.Tensor, routing_b: torch.Tensor,
