@@ -86,3 +86,27 @@ def split_rows(batch: TokenBatch, row_sets) -> list[TokenBatch]:
 def leaf_like(values_RC: torch.Tensor) -> torch.Tensor:
     """A float64 leaf copy that requires grad."""
     return values_RC.detach().clone().requires_grad_(True)
+
+
+def per_token_values(batch: TokenBatch, values_RC: torch.Tensor) -> list[float]:
+    """The loss-token values in (sequence, position) order, whatever the layout."""
+    order = sorted(zip(batch.sequence_id[batch.loss_mask].tolist(),
+                       batch.position[batch.loss_mask].tolist(),
+                       values_RC[batch.loss_mask].tolist(), strict=True))
+    return [v for _, _, v in order]
+
+
+# ``log π_old - log μ`` per loss token of the two-sequence fixture of :func:`weighted_batch`.
+LOG_W = [[0.5, -1.0, 1.2], [0.1, 0.2]]
+
+
+def weighted_batch(rewards, *, packed_order=None) -> TokenBatch:
+    """Two sequences (3 and 2 response tokens) with ``old_logprob`` and ``behavior_logprob``
+    such that ``log(π_old/μ)`` is :data:`LOG_W`; padded, or packed into one row in the order
+    ``packed_order`` (a list of the two sequence ids)."""
+    old = [[-1.0, -2.0, -0.5], [-0.3, -0.7]]
+    behavior = [[o - lw for o, lw in zip(os_, lws, strict=True)]
+                for os_, lws in zip(old, LOG_W, strict=True)]
+    batch = make_batch([[9], [8, 8]], [[1, 2, 3], [4, 5]], rewards=rewards, old=old,
+                       behavior=behavior)
+    return batch if packed_order is None else repack(batch, [packed_order], capacity=8)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from estimator_helpers import DTYPE, make_batch, repack
+from estimator_helpers import DTYPE, make_batch, per_token_values, weighted_batch
 
 from tokenmdp.estimators import (
     Aggregation,
@@ -28,24 +28,14 @@ EXACT = 1e-12  # float64 closed forms
 # log w = log π_old - log μ per loss token:
 #   seq 0: [0.5, -1.0, 1.2]  w = [1.6487, 0.3679, 3.3201]; Σ = 0.7 (W = 2.0138), mean 0.2333
 #   seq 1: [0.1, 0.2]        w = [1.1052, 1.2214];        Σ = 0.3 (W = 1.3499), mean 0.15
-LOG_W = [[0.5, -1.0, 1.2], [0.1, 0.2]]
 e = math.exp
 
 
 def _batch(packed=False):
-    old = [[-1.0, -2.0, -0.5], [-0.3, -0.7]]
-    behavior = [[o - lw for o, lw in zip(os_, lws, strict=True)]
-                for os_, lws in zip(old, LOG_W, strict=True)]
-    batch = make_batch([[9], [8, 8]], [[1, 2, 3], [4, 5]], rewards=[1.0, 0.0], old=old,
-                       behavior=behavior)
-    return repack(batch, [[0, 1]], capacity=8) if packed else batch
+    return weighted_batch([1.0, 0.0], packed_order=[0, 1] if packed else None)
 
 
-def _per_token(batch, values_RC):
-    order = sorted(zip(batch.sequence_id[batch.loss_mask].tolist(),
-                       batch.position[batch.loss_mask].tolist(),
-                       values_RC[batch.loss_mask].tolist(), strict=True))
-    return [v for _, _, v in order]
+_per_token = per_token_values
 
 
 CASES = [

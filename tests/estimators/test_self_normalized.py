@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from estimator_helpers import make_batch, repack
+from estimator_helpers import make_batch, per_token_values, weighted_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -42,24 +42,14 @@ TIE = 1e-12    # float64 enumeration sums
 e = math.exp
 
 # log w = log π_old - log μ: seq 0 [0.5, -1.0, 1.2] (Σ 0.7), seq 1 [0.1, 0.2] (Σ 0.3)
-LOG_W = [[0.5, -1.0, 1.2], [0.1, 0.2]]
 W_TOKEN = [e(0.5), e(-1.0), e(1.2), e(0.1), e(0.2)]
 
 
 def _batch(packed=False):
-    old = [[-1.0, -2.0, -0.5], [-0.3, -0.7]]
-    behavior = [[o - lw for o, lw in zip(os_, lws, strict=True)]
-                for os_, lws in zip(old, LOG_W, strict=True)]
-    batch = make_batch([[9], [8, 8]], [[1, 2, 3], [4, 5]], rewards=[1.0, -0.5], old=old,
-                       behavior=behavior)
-    return repack(batch, [[1, 0]], capacity=8) if packed else batch
+    return weighted_batch([1.0, -0.5], packed_order=[1, 0] if packed else None)
 
 
-def _per_token(batch, values_RC):
-    order = sorted(zip(batch.sequence_id[batch.loss_mask].tolist(),
-                       batch.position[batch.loss_mask].tolist(),
-                       values_RC[batch.loss_mask].tolist(), strict=True))
-    return [v for _, _, v in order]
+_per_token = per_token_values
 
 
 def _token_case():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from estimator_helpers import DTYPE, make_batch, repack, response_values
+from estimator_helpers import DTYPE, make_batch, per_token_values, repack, response_values
 
 from tokenmdp.estimators import (
     GSPO,
@@ -45,12 +45,7 @@ def _fixture(packed: bool):
     return batch, lp, response_values(batch, ADV)
 
 
-def _per_token(batch, values_RC):
-    """Response-token values in (sequence, position) order, layout-free."""
-    order = sorted(zip(batch.sequence_id[batch.loss_mask].tolist(),
-                       batch.position[batch.loss_mask].tolist(),
-                       values_RC[batch.loss_mask].tolist(), strict=True))
-    return [v for _, _, v in order]
+_per_token = per_token_values  # response-token values, layout-free
 
 
 @pytest.mark.parametrize("packed", [False, True])
