@@ -288,12 +288,13 @@ def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_
     if method == "exchangeability" and not (typed and not ordered):
         raise ValueError("method: exchangeability needs an Estimator and order_invariant=True "
                          "(it reduces the other samples to an estimator's types)")
-    if method == "exchangeability" and not reduces_to_types(steps.estimator):
+    by_types = typed and reduces_to_types(steps.estimator)
+    if method == "exchangeability" and not by_types:
         raise ValueError(f"method: exchangeability is not exact for {steps.estimator.name!r}: a "
                          "part couples the sequences of a group beyond their types "
                          "(couples_sequences); use method='enumeration'")
     exchangeable_ok = (prompts_per_batch == 1 and not filter_groups and group_size >= 2
-                       and typed and not ordered and reduces_to_types(steps.estimator))
+                       and not ordered and by_types)
     if method == "exchangeability" and not exchangeable_ok:
         raise ValueError("method: exchangeability needs prompts_per_batch=1, group_size >= 2 "
                          "and no filter_groups")
