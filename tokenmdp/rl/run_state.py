@@ -54,6 +54,8 @@ from tokenmdp.rl.run_setup import build_estimator, build_model, load_init
 from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
 from tokenmdp.rl.update import (
     TrainingPass,
+    blame_stats,
+    blame_sums,
     minibatch_loss,
     prepare_minibatch,
     split_minibatches,
@@ -229,6 +231,11 @@ class _Run:
         cfg, params = self.cfg, list(self.model.parameters())
         batch = estimators.prepare(batch, self.est, max_len=cfg.max_new_tokens,
                                    advantage_S=self._step_advantages(batch))
+        blame = {}
+        if cfg.mode == "rl":  # where the update at θ_old pushes (a diagnostic: no RNG, no state)
+            sums = blame_sums(batch, self.est)
+            blame = blame_stats(dict(zip(sums, all_reduce_floats(list(sums.values()),
+                                                                 device=self.device))))
         parts = split_minibatches(batch, cfg.minibatches, generator=self.shuffle_gen,
                                   capacity=self.capacity)
         scale = data_parallel_loss_scale()
@@ -268,7 +275,8 @@ class _Run:
             losses.append(global_loss)
             norms.append(float(norm))
             metrics.append(m)
-        out = {"loss": _mean(losses), "grad_norm": _mean(norms), "skipped_updates": skipped}
+        out = {"loss": _mean(losses), "grad_norm": _mean(norms), "skipped_updates": skipped,
+               **blame}
         if not metrics:
             return out
         # token-weighted over the updates and the ranks; extremes over both

@@ -10,6 +10,8 @@ loss and, optionally, the MoE load-balancing term. :class:`TrainingPass` is the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tokenmdp import estimators
@@ -20,7 +22,8 @@ from tokenmdp.model import MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
 from tokenmdp.rl.rollout import RoutingReplay, replay_routing
 
-__all__ = ["TrainingPass", "minibatch_loss", "prepare_minibatch", "split_minibatches"]
+__all__ = ["LOW_PROBABILITY", "TrainingPass", "blame_stats", "blame_sums", "minibatch_loss",
+           "prepare_minibatch", "split_minibatches"]
 
 
 class TrainingPass(torch.nn.Module):
@@ -169,3 +172,102 @@ def split_minibatches(batch: TokenBatch, n: int, *, generator: torch.Generator,
     order = torch.randperm(batch.num_sequences, generator=generator)
     return [pack_first_fit_decreasing(select_sequences(batch, part.sort().values.to(batch.device)),
                                       capacity) for part in order.tensor_split(n)]
+
+
+LOW_PROBABILITY = 0.5
+"""A sampled token is *low* when ``π_old`` gives it less than this (so it is not ``π_old``'s argmax,
+and every non-argmax token of a distribution whose top token has at least this much is low)."""
+
+
+def blame_sums(batch: TokenBatch, estimator: Estimator) -> dict[str, float]:
+    """Where the step's update at ``θ = θ_old`` pushes, split between low and high tokens.
+
+    A diagnostic of the training-inference correction that leaves training unchanged. With
+    ``φ_t = -∂ loss / ∂ log π_t`` at ``log π = old_logprob`` (the estimator's own coefficient:
+    advantage, correction weight, aggregation; the first update of an on-policy step exactly),
+    the push on token ``t``'s logits is ``|φ_t| · ‖e_{a_t} − π_old‖``, between ``|φ_t| (1 − p_t)``
+    and ``√2 |φ_t| (1 − p_t)`` (``p_t = π_old(a_t)``); its lower end is summed. A token is *low*
+    when ``p_t <`` :data:`LOW_PROBABILITY`. Sums over this rank, to be reduced over the ranks and
+    read by :func:`blame_stats`.
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        The step's prepared batch (``advantage``, ``loss_weight``, ``old_logprob`` and
+        ``behavior_logprob`` set).
+    estimator : Estimator
+        The estimator whose loss gives ``φ``.
+
+    Returns
+    -------
+    dict of str to float
+        ``blame_*`` sums (float64): token counts, sums of ``π_old/μ`` and of its log at low and
+        high tokens, the pushes of negative- and positive-advantage tokens, low and high, the
+        sequence log-weights' sum and square sum, and the failed (reward <= 0: a 0/1 task's wrong
+        answers) and passed responses, each with the number holding at least one low token.
+    """
+    if batch.old_logprob is None or batch.behavior_logprob is None:
+        raise ValueError("batch: blame_sums needs old_logprob and behavior_logprob")
+    with torch.enable_grad():
+        lp = batch.old_logprob.detach().clone().requires_grad_(True)
+        loss, _ = estimators.loss(lp, batch, estimator, metrics=False)
+        (grad,) = torch.autograd.grad(loss, lp, allow_unused=True)
+    mask = batch.loss_mask
+    phi = torch.zeros_like(lp) if grad is None else -grad.detach()
+    old = batch.old_logprob.double()
+    log_w = old - batch.behavior_logprob.double()
+    p = old.exp()
+    push = torch.where(mask, phi.double().abs() * (1.0 - p), 0.0)
+    low, high = mask & (p < LOW_PROBABILITY), mask & (p >= LOW_PROBABILITY)
+    neg, pos = batch.advantage < 0, batch.advantage > 0
+    w = log_w.clamp(max=20.0).exp()
+    seq_log_w = batch.sequence_sum(torch.where(mask, log_w, 0.0))
+    seq_low = batch.sequence_sum(low.double()) > 0
+    reward = batch.reward.double()
+    failed = reward <= 0
+    out = {"n_low": low.sum(), "n_high": high.sum(), "w_low": w[low].sum(), "w_high": w[high].sum(),
+           "logw_low": log_w[low].sum(), "logw_high": log_w[high].sum(),
+           "neg_low": push[neg & low].sum(), "neg_high": push[neg & high].sum(),
+           "pos_low": push[pos & low].sum(), "pos_high": push[pos & high].sum(),
+           "seqs": torch.tensor(float(batch.num_sequences)), "seq_logw": seq_log_w.sum(),
+           "seq_logw_sq": (seq_log_w ** 2).sum(), "failed": failed.sum(),
+           "failed_low": (failed & seq_low).sum(), "passed": (~failed).sum(),
+           "passed_low": (~failed & seq_low).sum()}
+    return {f"blame_{k}": float(v) for k, v in out.items()}
+
+
+def blame_stats(sums: dict[str, float]) -> dict[str, float]:
+    """The step statistics of :func:`blame_sums`' sums (over every rank).
+
+    Parameters
+    ----------
+    sums : dict of str to float
+        The reduced ``blame_*`` sums.
+
+    Returns
+    -------
+    dict of str to float
+        ``low_token_fraction``; ``w_low_mean`` / ``w_high_mean`` (mean ``π_old/μ`` at low and
+        high tokens) and ``w_low_geomean`` / ``w_high_geomean``; ``neg_push_low_share`` and
+        ``pos_push_low_share`` (the share of the negative- and positive-advantage push on low
+        tokens); ``seq_logw_mean`` / ``seq_logw_std`` (``log Π_t π_old/μ`` per response);
+        ``failed_low_fraction`` / ``passed_low_fraction`` (responses holding a low token). A
+        statistic over nothing is None (JSON null: nothing to measure that step).
+    """
+    def ratio(a, b):
+        return a / b if b > 0 else None
+
+    s = {k.removeprefix("blame_"): v for k, v in sums.items() if k.startswith("blame_")}
+    n = s["n_low"] + s["n_high"]
+    mean = ratio(s["seq_logw"], s["seqs"])
+    std = None if mean is None else math.sqrt(max(s["seq_logw_sq"] / s["seqs"] - mean ** 2, 0.0))
+    return {"low_token_fraction": ratio(s["n_low"], n),
+            "w_low_mean": ratio(s["w_low"], s["n_low"]),
+            "w_high_mean": ratio(s["w_high"], s["n_high"]),
+            "w_low_geomean": math.exp(s["logw_low"] / s["n_low"]) if s["n_low"] else None,
+            "w_high_geomean": math.exp(s["logw_high"] / s["n_high"]) if s["n_high"] else None,
+            "neg_push_low_share": ratio(s["neg_low"], s["neg_low"] + s["neg_high"]),
+            "pos_push_low_share": ratio(s["pos_low"], s["pos_low"] + s["pos_high"]),
+            "seq_logw_mean": mean, "seq_logw_std": std,
+            "failed_low_fraction": ratio(s["failed_low"], s["failed"]),
+            "passed_low_fraction": ratio(s["passed_low"], s["passed"])}
