@@ -1,0 +1,146 @@
+"""The exact world at the long-answer study's mismatch and length: exact gradient moments of
+``minirl``, ``minirl_no_is`` and ``minirl_len_norm`` on an exact-match lattice shaped like the
+trainer's task (used by ``long_study.py``'s report and ``lattice.py --trainer-match``).
+
+The world (:func:`trainer_world`): the reward is 1 iff the response is a fixed ``L``-digit
+target and then EOS (:func:`tokenmdp.exact.lattice.exact_match`, the trainer's vocabulary of
+17 tokens), ``T = L + 1``; ``π`` puts the logit ``margin`` on the right token of every state
+that is still on the target (and, in the dead state after a mistake, on one digit per
+position: the trained model keeps answering confidently after an error) and 0 on the others;
+``margin`` is chosen so that ``π``'s per-token entropy is the trainer's.
+
+The engine: the trainer's dial draws fresh noise ``σ ε`` (``ε ~ N(0, I)``) on the logits at
+every token of every response, and records the perturbed ``μ_ε``. Since ``ε_t`` is independent
+of the rest of the response, the mean gradient of an estimator without correction is its mean
+under the marginal sampler ``μ̄ = E_ε softmax(z + σ ε)``, and the mean of token-level IS
+``π/μ_ε`` is that of IS with the marginal weight ``π/μ̄`` (both weigh token ``a`` by ``π(a)``
+in expectation), as long as the truncation at 5 does not bind (its probability is reported:
+below 1e-4 at ``σ <= 2``). So the lattice with ``μ = μ̄`` gives the **exact mean gradient**
+of the trainer's ``minirl`` and ``minirl_no_is`` at its ``σ`` (the variances differ: the
+fresh-noise weight varies given the token). ``noise="fixed"`` instead draws one perturbation per
+(state, position), a systematic bias (the model of ``benchmarks/lattice.py``).
+
+Reported per (L, σ): ``E_ε KL(μ_ε ‖ π)`` per token (what the trainer's k3 estimates),
+``J(π)`` and ``J(μ̄)``, and per estimator the cosine of the exact mean gradient with ``∇J``, its
+projection on ``∇J`` relative to ``‖∇J‖²`` (the first-order progress per unit learning rate,
+relative to exact gradient ascent) and the signal-to-noise ratio ``‖E ĝ‖² / tr Cov ĝ``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tokenmdp import estimators
+from tokenmdp.exact import lattice as L
+
+VOCAB = 17
+"""The trainer's tokenizer: 10 digits, ``+ = >``, ``a b``, padding and EOS (``V = 17``)."""
+ESTIMATORS = ("minirl", "minirl_no_is", "minirl_len_norm")
+TRUNCATION = 5.0
+"""MiniRL's cap of the token weight ``π_old/μ``."""
+
+
+def margin_for_entropy(entropy: float, vocab: int = VOCAB) -> float:
+    """The logit margin ``m`` whose softmax ``[m, 0, ..., 0]`` has entropy ``entropy`` (nats)."""
+    def h(m):
+        p = torch.softmax(torch.tensor([m] + [0.0] * (vocab - 1), dtype=torch.float64), 0)
+        return float(-(p * p.log()).sum())
+    lo, hi = 0.0, 50.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if h(mid) > entropy else (lo, mid)
+    return (lo + hi) / 2
+
+
+def noise_statistics(margin: float, sigma: float, *, draws: int = 400_000, seed: int = 0,
+                     vocab: int = VOCAB) -> dict[str, float]:
+    """Monte Carlo over the fresh noise, for one row ``[margin, 0, ..., 0]``: the marginal
+    probability of the top token under ``μ_ε``, ``E_ε KL(μ_ε ‖ π)``, and the probability that
+    the sampled token's ``π/μ_ε`` exceeds MiniRL's cap."""
+    z = torch.zeros(vocab, dtype=torch.float64)
+    z[0] = margin
+    logp = torch.log_softmax(z, 0)
+    g = torch.Generator().manual_seed(seed)
+    eps = torch.randn(draws, vocab, generator=g, dtype=torch.float64)
+    logq = torch.log_softmax(z + sigma * eps, -1)
+    q = logq.exp()
+    kl = (q * (logq - logp)).sum(-1)
+    truncated = (q * ((logp - logq) > math.log(TRUNCATION))).sum(-1)
+    return {"top": float(q[:, 0].mean()), "kl_fresh": float(kl.mean()),
+            "truncated": float(truncated.mean())}
+
+
+def trainer_world(length: int, margin: float, sigma: float, *, noise: str = "fresh",
+                  seed: int = 0, draws: int = 400_000):
+    """The exact-match lattice, ``π`` and the engine ``μ`` (see the module docstring).
+
+    Returns ``(mdp, pi, mu, stats)`` with ``stats`` of :func:`noise_statistics` (fresh noise)."""
+    rng = np.random.default_rng(seed)
+    target = rng.integers(0, 10, size=length).tolist()
+    mdp = L.LatticeMDP(L.exact_match(target, VOCAB), length + 1)
+    T, K, V = mdp.shape
+    dead = length + 1
+    right = torch.zeros(T, K, dtype=torch.long)
+    right[:, :length] = torch.tensor(target)              # on the target: its next digit
+    right[:, length] = V - 1                              # the whole target: EOS
+    right[:, dead] = torch.from_numpy(rng.integers(0, 10, size=T))   # after a mistake
+    top = torch.nn.functional.one_hot(right, V).bool()
+    base = torch.where(top, margin, 0.0).double()
+    pi = L.LatticePolicy(mdp, logits=base)
+    stats = noise_statistics(margin, sigma, draws=draws, vocab=V)
+    if noise == "fresh":
+        # μ̄: the top token's marginal probability, the rest shared equally (exchangeable)
+        p_top = stats["top"]
+        mu_logits = torch.where(top, math.log(p_top), math.log((1 - p_top) / (V - 1)))
+    elif noise == "fixed":
+        g = torch.Generator().manual_seed(seed + 1)
+        mu_logits = base + sigma * torch.randn(T, K, V, generator=g, dtype=torch.float64)
+    else:
+        raise ValueError(f"noise: expected 'fresh' or 'fixed', got {noise!r}")
+    mu = L.LatticePolicy(mdp, logits=mu_logits.double()).requires_grad_(False)
+    return mdp, pi, mu, stats
+
+
+def exact_row(length: int, sigma: float, *, entropy: float = 0.08, group_size: int = 4,
+              noise: str = "fresh") -> dict:
+    """One (L, σ) row: the mismatch, ``J`` of ``π`` and of ``μ``, and per estimator the cosine,
+    the relative projection on ``∇J`` and the signal-to-noise ratio of the exact mean gradient."""
+    mdp, pi, mu, stats = trainer_world(length, margin_for_entropy(entropy), sigma, noise=noise)
+    with torch.no_grad():
+        row = {"L": length, "sigma": sigma, "noise": noise, "kl_fresh": stats["kl_fresh"],
+               "kl_marginal": float(L.sequence_kl(mdp, mu, pi)) /
+               float(L.expected_length(mdp, mu)),
+               "truncated": stats["truncated"], "J_pi": float(L.objective(mdp, pi)),
+               "J_mu": float(L.objective(mdp, mu))}
+    for name in ESTIMATORS:
+        m = L.moments(mdp, pi, estimators.get(name), group_size=group_size, behavior=mu, old=pi)
+        g, mean = m.true_gradient, m.mean
+        row[name] = {"cosine": float(m.cosine),
+                     "progress": float(mean @ g / (g @ g)),
+                     "snr": float(mean @ mean / max(m.total_variance, 1e-300)),
+                     "method": m.method}
+    return row
+
+
+def exact_table(lengths=(16, 64), sigmas=(0.0, 0.25, 0.5, 1.0, 2.0), *, entropy: float = 0.08,
+                group_size: int = 4, noise: str = "fresh") -> tuple[list[dict], str]:
+    """Rows of :func:`exact_row` over ``lengths`` x ``sigmas`` and their markdown table."""
+    rows = [exact_row(n, s, entropy=entropy, group_size=group_size, noise=noise)
+            for n in lengths for s in sigmas]
+    return rows, exact_markdown_table(rows)
+
+
+def exact_markdown_table(rows: list[dict]) -> str:
+    """The markdown table of rows of :func:`exact_row`."""
+    head = ("| L | σ | E KL(μ_ε‖π)/token | J(π) → J(μ̄) | " +
+            " | ".join(f"{e}: cos / progress / SNR" for e in ESTIMATORS) + " |")
+    lines = [head, "|" + "---|" * (4 + len(ESTIMATORS))]
+    for r in rows:
+        cells = [f"{r[e]['cosine']:.4f} / {r[e]['progress']:.3f} / {r[e]['snr']:.2e}"
+                 for e in ESTIMATORS]
+        lines.append(f"| {r['L']} | {r['sigma']:g} | {r['kl_fresh']:.4f} | {r['J_pi']:.3f} → "
+                     f"{r['J_mu']:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
