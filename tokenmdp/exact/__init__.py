@@ -34,7 +34,7 @@ from tokenmdp.exact.length_bias import (
     length_normalized_objective,
 )
 from tokenmdp.exact.mdp import TokenMDP
-from tokenmdp.exact.moments import Moments, moments
+from tokenmdp.exact.moments import Moments, MomentsWorkspace, moments
 from tokenmdp.exact.policies import (
     LogLinearPolicy,
     NeuralPolicy,
@@ -50,6 +50,7 @@ __all__ = [
     "check_policy", "objective", "gradient", "flat_grad", "sequence_logprobs", "sequence_probs",
     "state_logprobs", "state_visitation", "values", "ValueTables", "token_entropy", "sequence_kl",
     "surrogate", "InferencePolicy", "inference_copy", "stale_copy", "round_logits", "sample",
-    "Moments", "moments", "count_draws", "PathPoint", "first_order_path", "trust_region_bound",
-    "expected_length", "length_normalized_objective", "aggregation_gradients", "length_drift",
+    "Moments", "MomentsWorkspace", "moments", "count_draws", "PathPoint", "first_order_path",
+    "trust_region_bound", "expected_length", "length_normalized_objective",
+    "aggregation_gradients", "length_drift",
 ]

@@ -22,12 +22,19 @@ import math
 
 import torch
 
-from tokenmdp.estimators import counted_mask
+from tokenmdp.estimators import (
+    Advantage,
+    Aggregation,
+    Correction,
+    SequenceCount,
+    Surrogate,
+    counted_mask,
+)
 from tokenmdp.exact.group_draws import exchangeable_types, multisets
 from tokenmdp.exact.mdp import TokenMDP
 from tokenmdp.exact.step_gradients import StepGradients
 
-__all__ = ["exchangeability_cost", "reduces_to_types"]
+__all__ = ["exchangeability_cost", "others_counts_matter", "reduces_to_types"]
 
 
 def _parts(est) -> list:
@@ -63,17 +70,61 @@ def reduces_to_types(estimator) -> bool:
     return not any(getattr(part, "couples_sequences", False) for part in _parts(estimator))
 
 
-def _type_keys(steps: StepGradients) -> torch.Tensor:
+#: The aggregations whose weight of a sequence's token reads no other sequence's counted tokens
+#: (``1/(S |y_i|)``, ``1/S``, ``1/(S L_max)``, ``1``; ``S`` the sampled sequences, ``G``).
+_OWN_COUNT_AGGREGATIONS = (Aggregation.SEQUENCE_MEAN_TOKEN_MEAN,
+                           Aggregation.SEQUENCE_MEAN_TOKEN_SUM, Aggregation.CONSTANT,
+                           Aggregation.TOKEN_SUM)
+
+
+def others_counts_matter(estimator) -> bool:
+    """Whether another sample's counted tokens can reach a sample's own gradient term.
+
+    They reach it through the aggregation's normalizer (``N_tokens`` of ``TOKEN_MEAN``, ``N_g``
+    of ``PROMPT_MEAN_TOKEN_MEAN``, the ``S`` of ``SequenceCount.WITH_LOSS_TOKENS``), through an
+    advantage part that reads the lengths (one that overrides ``per_sequence`` or ``from_batch``,
+    or a token-level one) and possibly through a surrogate's or correction's step-wide
+    ``prepare_step``. When none of these is present the counted tokens are left out of the
+    types, which then are the effective rewards alone (and any ``exchangeable_type``): fewer
+    types, far fewer batches, the same moments. Anything not known to be free of the counts
+    (any part that overrides ``prepare_step``, wrapped ones included) keeps them.
+
+    Parameters
+    ----------
+    estimator : Estimator
+        The estimator whose parts are asked.
+
+    Returns
+    -------
+    bool
+        False when the other samples' counted tokens provably do not enter a sample's own term.
+    """
+    if estimator.aggregation not in _OWN_COUNT_AGGREGATIONS \
+            or estimator.sequence_count is not SequenceCount.SAMPLED:
+        return True
+    adv = estimator.advantage
+    if adv.token_level or type(adv).per_sequence is not Advantage.per_sequence \
+            or type(adv).from_batch is not Advantage.from_batch:
+        return True
+    defaults = (Surrogate.prepare_step, Correction.prepare_step)
+    return any(getattr(type(part), "prepare_step", defaults[0]) not in defaults
+               for part in _parts(estimator))
+
+
+def _type_keys(steps: StepGradients, *, with_counts: bool | None = None) -> torch.Tensor:
     """``[N, k]``: (effective reward, counted tokens, and each part's ``exchangeable_type``) of
     every response: all that another sample contributes to a sample's own gradient term (group
-    statistics and normalizers)."""
+    statistics and normalizers). The counted tokens only when :func:`others_counts_matter`
+    (``with_counts`` forces them in or out: the full key is the reference the reduced one is
+    tested against)."""
     est = steps.estimator
     batch = steps.enum.replace(**steps.fields)
     reward = batch.reward
     if est.kl is not None and est.kl.in_reward:
         reward = reward - est.kl.reward_penalty(batch)
-    counted = batch.sequence_sum(counted_mask(batch, est).to(torch.float64))
-    keys = [reward[:, None], counted[:, None]]
+    keys = [reward[:, None]]
+    if others_counts_matter(est) if with_counts is None else with_counts:
+        keys.append(batch.sequence_sum(counted_mask(batch, est).to(torch.float64))[:, None])
     for part in _parts(est):
         extra = getattr(part, "exchangeable_type", None)
         if extra is not None:

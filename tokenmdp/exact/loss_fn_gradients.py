@@ -36,7 +36,7 @@ from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
 from tokenmdp.exact.group_draws import filter_equal_rewards
 from tokenmdp.exact.mdp import TokenMDP
-from tokenmdp.exact.step_gradients import StepGradients, _stacked_batch
+from tokenmdp.exact.step_gradients import PolicyTables, StepGradients, _stacked_batch
 
 __all__ = ["LossFnGradients", "count_ordered_draws", "ordered_draws"]
 
@@ -177,12 +177,15 @@ class LossFnGradients(StepGradients):
         ``G``.
     jacobian : Tensor, optional
         A precomputed state-action Jacobian.
+    tables : PolicyTables, optional
+        Estimator-independent tables shared with other calls (:class:`StepGradients`).
     """
 
     def __init__(self, mdp: TokenMDP, policy: nn.Module, loss_fn: Callable,
                  prepare: Callable[[TokenBatch], TokenBatch], fields: dict[str, torch.Tensor],
-                 group_size: int, jacobian: torch.Tensor | None = None) -> None:
-        super().__init__(mdp, policy, None, fields, group_size, jacobian)
+                 group_size: int, jacobian: torch.Tensor | None = None, *,
+                 tables: PolicyTables | None = None) -> None:
+        super().__init__(mdp, policy, None, fields, group_size, jacobian, tables=tables)
         self.loss_fn, self.prepare = loss_fn, prepare
 
     def coefficients(self, ids: torch.Tensor, *, first_only: bool = False):

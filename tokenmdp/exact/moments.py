@@ -32,6 +32,10 @@ optional ``prepare``): its per-token coefficients come from autograd on each enu
 and every *ordered* draw is enumerated unless ``order_invariant=True``
 (:mod:`~tokenmdp.exact.loss_fn_gradients`, which says what the callable sees).
 
+:class:`MomentsWorkspace` computes what no estimator changes (the policies' log-probs of the
+enumeration, the sampling probabilities, the map to parameters, ``∇J``) once for many
+estimators at one ``θ``; :func:`moments` is one workspace's one call.
+
 The result, :class:`Moments`, and its exact and Monte Carlo builders are in
 :mod:`~tokenmdp.exact.moments_result`; both modules' public names are re-exported here.
 """
@@ -45,13 +49,13 @@ from torch import nn
 
 from tokenmdp.estimators import Estimator
 from tokenmdp.exact import budget
+from tokenmdp.exact._world_tables import WorldTables
 from tokenmdp.exact.exchangeability import (
     _by_exchangeability,
     _type_keys,
     exchangeability_cost,
     reduces_to_types,
 )
-from tokenmdp.exact.ground_truth import gradient, sequence_probs
 from tokenmdp.exact.group_draws import count_draws, exact_draws, sampled_draws
 from tokenmdp.exact.loss_fn_gradients import (
     LossFnGradients,
@@ -66,7 +70,7 @@ from tokenmdp.exact.monte_carlo import NUM_CHUNKS, MonteCarloSums, pool
 from tokenmdp.exact.policies import check_policy
 from tokenmdp.exact.step_gradients import StepGradients
 
-__all__ = ["Moments", "moments", "exchangeability_cost", "pool"]
+__all__ = ["Moments", "MomentsWorkspace", "moments", "exchangeability_cost", "pool"]
 
 #: For a loss callable, which runs once per batch in Python: above this many batches to
 #: evaluate, ``method="auto"`` switches to Monte Carlo.
@@ -175,92 +179,178 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
         Bad sizes or options, naming the argument; an exact method whose draws would exceed the
         memory budget (naming ``group_size``, the count and the bytes).
     """
-    check_policy(mdp, policy)
-    behavior = policy if behavior is None else behavior
-    old = behavior if old is None else old
-    check_policy(mdp, behavior, name="behavior")
-    check_policy(mdp, old, name="old")
-    custom = not isinstance(estimator, Estimator)
-    if custom:
-        _check_loss_fn(estimator)
-    elif prepare is not None:
-        raise TypeError("prepare: only with a loss callable (an Estimator prepares itself)")
-    if order_invariant is None:
-        order_invariant = not custom
-    elif not isinstance(order_invariant, bool):
-        raise TypeError(f"order_invariant: expected a bool or None, got {order_invariant!r}")
-    if max_exact_draws is None:
-        max_exact_draws = MAX_EXACT_CALLS if custom else None
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
-    if isinstance(prompts_per_batch, bool) or not isinstance(prompts_per_batch, int) \
-            or prompts_per_batch < 1:
-        raise ValueError(f"prompts_per_batch: expected an int >= 1, got {prompts_per_batch!r}")
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
-    needs_ref = not custom and "ref_logprob" in (estimator.requires("prepare")
-                                                 + estimator.requires("loss"))
-    if needs_ref and reference is None:
-        raise ValueError(f"reference: estimator {estimator.name!r} has a KL penalty and needs a "
-                         "reference policy")
-    if reference is not None:
-        check_policy(mdp, reference, name="reference")
-    enum = mdp.enumerate()
-    with torch.no_grad():
-        mu_probs = sequence_probs(mdp, behavior)
-        fields = {"behavior_logprob": behavior.token_logprobs(enum),
-                  "old_logprob": old.token_logprobs(enum)}
+    return MomentsWorkspace(mdp, policy, behavior=behavior, old=old, reference=reference,
+                            jacobian=jacobian).moments(
+        estimator, group_size=group_size, prompts_per_batch=prompts_per_batch, method=method,
+        num_samples=num_samples, generator=generator, filter_groups=filter_groups,
+        max_exact_draws=max_exact_draws, memory_budget=memory_budget, prepare=prepare,
+        order_invariant=order_invariant)
+
+
+class MomentsWorkspace:
+    """:func:`moments` of many estimators at one ``θ``, the estimator-independent work done once.
+
+    The enumeration's log-probs under the policy, the behaviour, ``π_old`` and ``π_ref``, the
+    sampling probabilities, the state-action map to parameters (a Jacobian for a non-tabular
+    policy) and the true ``∇J`` are computed at the first call and reused by every later one,
+    which then costs only the estimator's own batches; the results equal those of
+    :func:`moments` bit for bit. The policies may change between calls (a tabular policy
+    trained in place): every call compares their parameters and buffers with a copy taken when
+    the tables were built and rebuilds them when any differs (a ``jacobian`` given here is then
+    dropped, as it was for the old parameters); other attributes of the policies are not
+    watched.
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+    policy : policy module
+        ``π_θ``, whose gradient is estimated (float64).
+    behavior, old, reference : policy module, optional
+        ``μ``, ``π_old`` and ``π_ref``, as for :func:`moments`.
+    jacobian : Tensor, optional
+        :func:`~tokenmdp.exact.step_gradients.state_action_jacobian` of ``policy`` now.
+
+    Examples
+    --------
+    >>> ws = MomentsWorkspace(mdp, pi, behavior=mu, old=old, reference=old)  # doctest: +SKIP
+    >>> table = {name: ws.moments(get(name), group_size=8) for name in names()}  # doctest: +SKIP
+    """
+
+    def __init__(self, mdp: TokenMDP, policy: nn.Module, *, behavior: nn.Module | None = None,
+                 old: nn.Module | None = None, reference: nn.Module | None = None,
+                 jacobian: torch.Tensor | None = None) -> None:
+        check_policy(mdp, policy)
+        behavior = policy if behavior is None else behavior
+        old = behavior if old is None else old
+        check_policy(mdp, behavior, name="behavior")
+        check_policy(mdp, old, name="old")
         if reference is not None:
-            fields["ref_logprob"] = reference.token_logprobs(enum)
-    if custom:
-        steps = LossFnGradients(mdp, policy, estimator, _resolve_prepare(prepare, mdp), fields,
-                                group_size, jacobian)
-    else:
-        steps = StepGradients(mdp, policy, estimator, fields, group_size, jacobian)
-    num_samples = 4096 if num_samples is None else num_samples
-    method = _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
-                     max_exact_draws, memory_budget, num_samples=num_samples,
-                     mc_cost=1.0 if custom else MC_COST_PER_BATCH, ordered=not order_invariant,
-                     typed=not custom)
-    d = steps.num_params
-    keep_cov = d <= MAX_COVARIANCE_DIM
-    true_grad = gradient(mdp, policy)
-    if method == "exchangeability":
-        mean, second, outer, evaluated = _by_exchangeability(steps, mdp, mu_probs, group_size,
-                                                             keep_cov)
-        return _exact_moments(mean, second, outer, true_grad, evaluated, 1.0, method)
-    if method == "enumeration":
-        draws = exact_draws if order_invariant else ordered_draws
-        ids, prob, p_keep = draws(mdp, mu_probs, group_size, prompts_per_batch, filter_groups)
-    else:
-        if generator is None:
-            generator = torch.Generator().manual_seed(DEFAULT_MC_SEED)
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator: expected a torch.Generator (or None), got "
-                            f"{type(generator).__name__}")
-        if num_samples < 2:
-            raise ValueError(f"num_samples: need at least 2, got {num_samples}")
-        ids, prob, p_keep = sampled_draws(mdp, mu_probs, group_size, prompts_per_batch,
-                                          num_samples, generator, filter_groups)
-    if method == "monte_carlo":
-        return _streamed_monte_carlo(steps, ids, true_grad, keep_cov, p_keep)
-    mean = torch.zeros(d, dtype=torch.float64)
-    second = torch.zeros((), dtype=torch.float64)
-    outer = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
-    if keep_cov:                                      # dense per-batch gradients are small here
-        for sl, g in steps.blocks(ids):
-            p = prob[sl]
-            mean += p @ g
-            second += p @ (g * g).sum(1)
-            outer += (g * p[:, None]).T @ g
-    else:                                             # large models: stay in coefficient space
-        mean_C = torch.zeros(1, steps.num_pairs, dtype=torch.float64)
-        for sl, (draw, pair, coef) in steps.sparse_blocks(ids):
-            p = prob[sl]
-            mean_C[0].index_add_(0, pair, coef * p[draw])
-            second += p @ steps.sq_norms(draw, pair, coef, int(p.numel()))
-        mean = steps.to_params(mean_C)[0]
-    return _exact_moments(mean, second, outer, true_grad, int(ids.shape[0]), p_keep, method)
+            check_policy(mdp, reference, name="reference")
+        self.mdp, self.policy, self.behavior, self.old = mdp, policy, behavior, old
+        self.reference, self.jacobian = reference, jacobian
+        self._built: WorldTables | None = None
+
+    def build(self) -> MomentsWorkspace:
+        """Compute the tables now (else the first :meth:`moments` does), or again after a change.
+
+        Returns
+        -------
+        MomentsWorkspace
+            ``self``.
+        """
+        self._tables()
+        return self
+
+    def _tables(self) -> WorldTables:
+        """The tables at the policies' present parameters (built, or rebuilt after a change)."""
+        if self._built is None or not self._built.current():
+            if self._built is not None:
+                self.jacobian = None
+            self._built = WorldTables(self.mdp, self.policy, self.behavior, self.old,
+                                      self.reference, self.jacobian)
+        return self._built
+
+    def moments(self, estimator: Estimator | Callable, *, group_size: int,
+                **options) -> Moments:
+        """:func:`moments` of ``estimator`` with this workspace's MDP and policies.
+
+        Parameters
+        ----------
+        estimator : Estimator or callable
+            As for :func:`moments`.
+        group_size : int
+            ``G``, responses per prompt.
+        **options
+            Any other keyword of :func:`moments` but the policies and ``jacobian``:
+            ``prompts_per_batch``, ``method``, ``num_samples``, ``generator``,
+            ``filter_groups``, ``max_exact_draws``, ``memory_budget``, ``prepare``,
+            ``order_invariant``.
+
+        Returns
+        -------
+        Moments
+            Equal to ``moments(mdp, policy, estimator, group_size=..., ...)``.
+        """
+        return self._moments(estimator, group_size=group_size, **options)
+
+    def _moments(self, estimator, *, group_size, prompts_per_batch=1, method="auto",
+                 num_samples=None, generator=None, filter_groups=False, max_exact_draws=None,
+                 memory_budget=None, prepare=None, order_invariant=None) -> Moments:
+        mdp, policy, reference = self.mdp, self.policy, self.reference
+        custom = not isinstance(estimator, Estimator)
+        if custom:
+            _check_loss_fn(estimator)
+        elif prepare is not None:
+            raise TypeError("prepare: only with a loss callable (an Estimator prepares itself)")
+        if order_invariant is None:
+            order_invariant = not custom
+        elif not isinstance(order_invariant, bool):
+            raise TypeError(f"order_invariant: expected a bool or None, got {order_invariant!r}")
+        if max_exact_draws is None:
+            max_exact_draws = MAX_EXACT_CALLS if custom else None
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
+        if isinstance(prompts_per_batch, bool) or not isinstance(prompts_per_batch, int) \
+                or prompts_per_batch < 1:
+            raise ValueError(f"prompts_per_batch: expected an int >= 1, got {prompts_per_batch!r}")
+        if method not in METHODS:
+            raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+        needs_ref = not custom and "ref_logprob" in (estimator.requires("prepare")
+                                                     + estimator.requires("loss"))
+        if needs_ref and reference is None:
+            raise ValueError(f"reference: estimator {estimator.name!r} has a KL penalty and needs a "
+                             "reference policy")
+        tables = self._tables()
+        mu_probs, fields = tables.mu_probs, tables.fields
+        if custom:
+            steps = LossFnGradients(mdp, policy, estimator, _resolve_prepare(prepare, mdp), fields,
+                                    group_size, tables=tables.steps)
+        else:
+            steps = StepGradients(mdp, policy, estimator, fields, group_size, tables=tables.steps)
+        num_samples = 4096 if num_samples is None else num_samples
+        method = _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
+                         max_exact_draws, memory_budget, num_samples=num_samples,
+                         mc_cost=1.0 if custom else MC_COST_PER_BATCH, ordered=not order_invariant,
+                         typed=not custom)
+        d = steps.num_params
+        keep_cov = d <= MAX_COVARIANCE_DIM
+        true_grad = tables.true_grad.clone()
+        if method == "exchangeability":
+            mean, second, outer, evaluated = _by_exchangeability(steps, mdp, mu_probs, group_size,
+                                                                 keep_cov)
+            return _exact_moments(mean, second, outer, true_grad, evaluated, 1.0, method)
+        if method == "enumeration":
+            draws = exact_draws if order_invariant else ordered_draws
+            ids, prob, p_keep = draws(mdp, mu_probs, group_size, prompts_per_batch, filter_groups)
+        else:
+            if generator is None:
+                generator = torch.Generator().manual_seed(DEFAULT_MC_SEED)
+            if not isinstance(generator, torch.Generator):
+                raise TypeError(f"generator: expected a torch.Generator (or None), got "
+                                f"{type(generator).__name__}")
+            if num_samples < 2:
+                raise ValueError(f"num_samples: need at least 2, got {num_samples}")
+            ids, prob, p_keep = sampled_draws(mdp, mu_probs, group_size, prompts_per_batch,
+                                              num_samples, generator, filter_groups)
+        if method == "monte_carlo":
+            return _streamed_monte_carlo(steps, ids, true_grad, keep_cov, p_keep)
+        mean = torch.zeros(d, dtype=torch.float64)
+        second = torch.zeros((), dtype=torch.float64)
+        outer = torch.zeros(d, d, dtype=torch.float64) if keep_cov else None
+        if keep_cov:                                      # dense per-batch gradients are small here
+            for sl, g in steps.blocks(ids):
+                p = prob[sl]
+                mean += p @ g
+                second += p @ (g * g).sum(1)
+                outer += (g * p[:, None]).T @ g
+        else:                                             # large models: stay in coefficient space
+            mean_C = torch.zeros(1, steps.num_pairs, dtype=torch.float64)
+            for sl, (draw, pair, coef) in steps.sparse_blocks(ids):
+                p = prob[sl]
+                mean_C[0].index_add_(0, pair, coef * p[draw])
+                second += p @ steps.sq_norms(draw, pair, coef, int(p.numel()))
+            mean = steps.to_params(mean_C)[0]
+        return _exact_moments(mean, second, outer, true_grad, int(ids.shape[0]), p_keep, method)
 
 
 def _streamed_monte_carlo(steps, ids, true_grad, keep_cov, p_keep) -> Moments:

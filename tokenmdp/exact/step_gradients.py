@@ -23,7 +23,7 @@ from tokenmdp.exact.ground_truth import state_logprobs
 from tokenmdp.exact.mdp import TokenMDP
 from tokenmdp.exact.policies import TabularPolicy, check_policy
 
-__all__ = ["state_action_jacobian", "StepGradients"]
+__all__ = ["state_action_jacobian", "PolicyTables", "StepGradients"]
 
 #: Entries of one dense ``[batches, state-action pairs]`` coefficient block.
 MAX_BLOCK_ENTRIES = 20_000_000
@@ -113,6 +113,57 @@ def _stacked_batch(enum: TokenBatch, ids: torch.Tensor, group_size: int,
     return batch, seq // width
 
 
+class PolicyTables:
+    """What :class:`StepGradients` reads of the policy and the enumeration, whatever the estimator.
+
+    The enumeration (its log-prob ``fields`` validated once), ``log π_θ`` of its tokens, each
+    token's state-action pair, and the map from coefficients to parameters (the tabular policy's
+    probabilities, or the state-action Jacobian): computed once at one ``θ`` and shared by the
+    :class:`StepGradients` of many estimators (:class:`~tokenmdp.exact.MomentsWorkspace`).
+
+    Parameters
+    ----------
+    mdp : TokenMDP
+        The exact token MDP.
+    policy : nn.Module
+        ``π_θ`` (float64).
+    fields : dict of str -> Tensor ``[N, C]``
+        Log-prob fields of the enumeration (``behavior_logprob``, ``old_logprob``, and
+        ``ref_logprob`` when needed), validated here once.
+    jacobian : Tensor, optional
+        A precomputed :func:`state_action_jacobian` (only used for non-tabular policies).
+    pi_logprob : Tensor ``[N, C]``, optional
+        ``policy.token_logprobs(mdp.enumerate())`` when the caller has it already.
+    """
+
+    def __init__(self, mdp: TokenMDP, policy: nn.Module, fields: dict[str, torch.Tensor],
+                 jacobian: torch.Tensor | None = None,
+                 pi_logprob: torch.Tensor | None = None) -> None:
+        self.enum = mdp.enumerate()
+        self.batch = self.enum.replace(**fields)  # validate once (_stacked_batch trusts them)
+        self.fields = fields
+        if pi_logprob is None:
+            with torch.no_grad():
+                pi_logprob = policy.token_logprobs(self.enum)
+        self.pi_logprob = pi_logprob
+        sa = mdp.token_state_index(self.enum) * mdp.vocab_size + self.enum.tokens
+        self.sa_index = torch.where(self.enum.response_mask, sa, -1)
+        self.num_pairs = mdp.num_states * mdp.vocab_size
+        self.num_params = sum(p.numel() for p in policy.parameters())
+        self.tabular_probs = self.tabular_sumsq = self.jacobian = None
+        if type(policy) is TabularPolicy and jacobian is None:
+            # closed form: ĝ[s, b] = C[s, b] − π(b|s) Σ_a C[s, a]; no dense Jacobian needed
+            with torch.no_grad():
+                self.tabular_probs = torch.cat([x.exp().reshape(-1, mdp.vocab_size)
+                                                for x in state_logprobs(mdp, policy)])
+                self.tabular_sumsq = (self.tabular_probs ** 2).sum(-1)     # ‖π(·|s)‖²
+        else:
+            self.jacobian = state_action_jacobian(mdp, policy) if jacobian is None else jacobian
+            if self.jacobian.shape != (self.num_pairs, self.num_params):
+                raise ValueError(f"jacobian: expected shape ({self.num_pairs}, "
+                                 f"{self.num_params}), got {tuple(self.jacobian.shape)}")
+
+
 class StepGradients:
     """``ĝ`` of ``estimator`` for batches made of rows of ``mdp.enumerate()``.
 
@@ -126,34 +177,23 @@ class StepGradients:
         ``G``: consecutive sequences of a batch form groups of this size.
     jacobian : Tensor, optional
         A precomputed :func:`state_action_jacobian` (only used for non-tabular policies).
+    tables : PolicyTables, optional
+        The estimator-independent tables of ``policy`` and ``fields`` built once for many
+        estimators (then ``fields`` and ``jacobian`` are the tables').
     """
 
     def __init__(self, mdp: TokenMDP, policy: nn.Module, estimator: Estimator,
                  fields: dict[str, torch.Tensor], group_size: int,
-                 jacobian: torch.Tensor | None = None) -> None:
+                 jacobian: torch.Tensor | None = None, *,
+                 tables: PolicyTables | None = None) -> None:
         self.mdp, self.estimator, self.group_size = mdp, estimator, group_size
-        self.enum = mdp.enumerate()
-        self.enum.replace(**fields)          # validate the fields once (_stacked_batch trusts them)
-        self.fields = fields
-        with torch.no_grad():
-            self.pi_logprob = policy.token_logprobs(self.enum)
-        sa = mdp.token_state_index(self.enum) * mdp.vocab_size + self.enum.tokens
-        self.sa_index = torch.where(self.enum.response_mask, sa, -1)
-        self.num_pairs = mdp.num_states * mdp.vocab_size
-        self.num_params = sum(p.numel() for p in policy.parameters())
-        self.tabular_probs = None
-        self.jacobian = None
-        if type(policy) is TabularPolicy and jacobian is None:
-            # closed form: ĝ[s, b] = C[s, b] − π(b|s) Σ_a C[s, a]; no dense Jacobian needed
-            with torch.no_grad():
-                self.tabular_probs = torch.cat([x.exp().reshape(-1, mdp.vocab_size)
-                                                for x in state_logprobs(mdp, policy)])
-                self.tabular_sumsq = (self.tabular_probs ** 2).sum(-1)     # ‖π(·|s)‖²
-        else:
-            self.jacobian = state_action_jacobian(mdp, policy) if jacobian is None else jacobian
-            if self.jacobian.shape != (self.num_pairs, self.num_params):
-                raise ValueError(f"jacobian: expected shape ({self.num_pairs}, "
-                                 f"{self.num_params}), got {tuple(self.jacobian.shape)}")
+        self.tables = PolicyTables(mdp, policy, fields, jacobian) if tables is None else tables
+        t = self.tables
+        self.enum, self.fields, self.pi_logprob, self.sa_index = (t.enum, t.fields,
+                                                                  t.pi_logprob, t.sa_index)
+        self.num_pairs, self.num_params = t.num_pairs, t.num_params
+        self.tabular_probs, self.tabular_sumsq, self.jacobian = (t.tabular_probs,
+                                                                 t.tabular_sumsq, t.jacobian)
 
     @property
     def chunk(self) -> int:
