@@ -6,7 +6,8 @@
   matter is caught;
 * one :class:`~tokenmdp.exact.moments.MomentsWorkspace` for every estimator against one
   :func:`~tokenmdp.exact.moments` call each, bit for bit; a policy changed in place (also
-  through ``.data``) rebuilds the workspace's tables, and a workspace that missed it is caught.
+  through ``.data``) rebuilds the workspace's tables, and a workspace that missed it is caught;
+* the response types column by column against ``torch.unique(..., dim=0)``.
 """
 
 import pytest
@@ -20,6 +21,7 @@ from tokenmdp.exact import LogLinearPolicy, TabularPolicy, TokenMDP, inference_c
 from tokenmdp.exact import exchangeability as EX
 from tokenmdp.exact._world_tables import WorldTables
 from tokenmdp.exact.exchangeability import others_counts_matter, reduces_to_types
+from tokenmdp.exact.group_draws import _row_ids
 from tokenmdp.exact.moments import MomentsWorkspace, moments
 from tokenmdp.exact.rewards import ExactMatch, LengthReward
 from tokenmdp.testing.strategies import mdps
@@ -183,3 +185,11 @@ def test_a_given_jacobian_is_dropped_once_the_policy_changes():
         pi.bias.add_(1.0)
     assert_identical(ws.moments(est, group_size=2), moments(mdp, pi, est, group_size=2))
     assert ws.jacobian is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 3), st.integers(0, 10_000))
+def test_type_ids_column_by_column_equal_unique_rows(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randint(-2, 3, (n, k), generator=g).to(torch.float64) / 4   # many ties
+    assert torch.equal(_row_ids(keys), torch.unique(keys, dim=0, return_inverse=True)[1])

@@ -40,10 +40,19 @@ def _check(reward_S: torch.Tensor, group_S: torch.Tensor | None = None) -> None:
         raise ValueError(f"group_S: expected an integer tensor of shape {tuple(reward_S.shape)}")
 
 
+def _group_index(group_S: torch.Tensor) -> torch.Tensor:
+    """Each sequence's group as ``0 .. num_groups-1`` in increasing id order: that of
+    ``torch.unique(group_S, return_inverse=True)``, by runs when the ids are sorted (stacked
+    steps, a trainer's batch: one pass instead of a sort)."""
+    if group_S.numel() > 1 and bool((group_S[1:] >= group_S[:-1]).all()):
+        return torch.unique_consecutive(group_S, return_inverse=True)[1]
+    return torch.unique(group_S, return_inverse=True)[1]
+
+
 def _group_deviation(reward_S: torch.Tensor, group_S: torch.Tensor):
     """``(R - group mean, group index of each sequence, group sizes)``; deviation exactly 0 in a
     constant group."""
-    _, index = torch.unique(group_S, return_inverse=True)
+    index = _group_index(group_S)
     num_groups = int(index.max()) + 1 if index.numel() else 0
     size = reward_S.new_zeros(num_groups).index_add(0, index, torch.ones_like(reward_S))
     mean = reward_S.new_zeros(num_groups).index_add(0, index, reward_S) / size

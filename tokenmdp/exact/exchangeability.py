@@ -117,8 +117,15 @@ def _type_keys(steps: StepGradients, *, with_counts: bool | None = None) -> torc
     statistics and normalizers). The counted tokens only when :func:`others_counts_matter`
     (``with_counts`` forces them in or out: the full key is the reference the reduced one is
     tested against)."""
+    cache = steps.__dict__.setdefault("_type_keys", {})    # asked by _choose, then the method
+    if with_counts not in cache:
+        cache[with_counts] = _compute_type_keys(steps, with_counts)
+    return cache[with_counts]
+
+
+def _compute_type_keys(steps: StepGradients, with_counts: bool | None) -> torch.Tensor:
     est = steps.estimator
-    batch = steps.enum.replace(**steps.fields)
+    batch = steps.tables.batch
     reward = batch.reward
     if est.kl is not None and est.kl.in_reward:
         reward = reward - est.kl.reward_penalty(batch)
