@@ -7,7 +7,9 @@
 * one :class:`~tokenmdp.exact.moments.MomentsWorkspace` for every estimator against one
   :func:`~tokenmdp.exact.moments` call each, bit for bit; a policy changed in place (also
   through ``.data``) rebuilds the workspace's tables, and a workspace that missed it is caught;
-* the response types column by column against ``torch.unique(..., dim=0)``.
+* the response types column by column against ``torch.unique(..., dim=0)``;
+* the loss and its backward pass on the kept sequences of prepared batches only (the
+  exchangeability method's padding slots left out) against the coefficients of every sequence.
 """
 
 import pytest
@@ -24,6 +26,7 @@ from tokenmdp.exact.exchangeability import others_counts_matter, reduces_to_type
 from tokenmdp.exact.group_draws import _row_ids
 from tokenmdp.exact.moments import MomentsWorkspace, moments
 from tokenmdp.exact.rewards import ExactMatch, LengthReward
+from tokenmdp.exact.step_gradients import StepGradients
 from tokenmdp.testing.strategies import mdps
 
 from .conftest import make_policy
@@ -193,3 +196,26 @@ def test_type_ids_column_by_column_equal_unique_rows(n, k, seed):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randint(-2, 3, (n, k), generator=g).to(torch.float64) / 4   # many ties
     assert torch.equal(_row_ids(keys), torch.unique(keys, dim=0, return_inverse=True)[1])
+
+
+@pytest.mark.parametrize("name", E.names())
+def test_the_loss_on_the_kept_sequences_only_gives_the_same_coefficients(scenario, name):
+    mdp, pi, kw = scenario
+    est = E.get(name)
+    ws = MomentsWorkspace(mdp, pi, **kw)
+    tables = ws._tables()
+    steps = StepGradients(mdp, pi, est, tables.fields, 3, tables=tables.steps)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, mdp.num_sequences, (40, 3), generator=g)
+    keep = torch.rand(40, 3, generator=g) < 0.4
+    draw, pair, coef = steps.coefficients(ids, per_sequence=True)
+    kept = keep.reshape(-1)[draw]
+    fast = steps.coefficients(ids, per_sequence=True, keep=keep)
+    for a, b in zip(fast, (draw[kept], pair[kept], coef[kept])):
+        assert torch.equal(a, b)
+    assert kept.any() and not kept.all()
+    first = steps.coefficients(ids, first_only=True)                 # the batch, not the slot
+    fast = steps.coefficients(ids, first_only=True, keep=keep)
+    only = keep[:, 0][first[0]]
+    for a, b in zip(fast, (t[only] for t in first)):
+        assert torch.equal(a, b)

@@ -311,7 +311,8 @@ def _by_exchangeability(steps: StepGradients, mdp: TokenMDP, probs_N: torch.Tens
             q_slot = torch.where(valid, q[local], 0.0).reshape(-1)     # μ(y), 0 if padding
             w_slot = q_slot * p_others[rows % Mo].reshape(-1)          # P(y) P(others)
             row_slot = rows.reshape(-1)
-            for sl, (seq, pair, coef) in steps.sparse_blocks(ids, per_sequence=True):
+            for sl, (seq, pair, coef) in steps.sparse_blocks(ids, per_sequence=True,
+                                                             keep=valid):
                 base = sl.start * G
                 n_seq = int(ids[sl].numel())
                 w = w_slot[base:base + n_seq]

@@ -113,6 +113,25 @@ def _stacked_batch(enum: TokenBatch, ids: torch.Tensor, group_size: int,
     return batch, seq // width
 
 
+def _select_rows(batch: TokenBatch, rows: torch.Tensor) -> TokenBatch:
+    """Rows ``rows`` of a stacked batch (one sequence per row, sequence ``i`` in row ``i``) as a
+    batch of their own, sequences renumbered, every prepared field kept: a micro-batch, on which
+    :func:`~tokenmdp.estimators.loss` gives each kept token the coefficient it has in the whole
+    batch (it reads the step's prepared fields and recomputes no statistic). Not validated
+    again, as :func:`_stacked_batch`."""
+    out = object.__new__(TokenBatch)
+    for f in dataclasses.fields(TokenBatch):
+        value = getattr(batch, f.name)
+        if f.name == "sequence_id":
+            value = torch.where(value[rows] >= 0, torch.arange(rows.numel())[:, None], -1)
+        elif f.name == "token_extras":
+            value = {k: v[rows] for k, v in value.items()}
+        elif isinstance(value, torch.Tensor):
+            value = value[rows]
+        object.__setattr__(out, f.name, value)
+    return out
+
+
 class PolicyTables:
     """What :class:`StepGradients` reads of the policy and the enumeration, whatever the estimator.
 
@@ -204,7 +223,7 @@ class StepGradients:
         return _stacked_batch(self.enum, ids, self.group_size, self.fields)
 
     def coefficients(self, ids: torch.Tensor, *, first_only: bool = False,
-                     per_sequence: bool = False):
+                     per_sequence: bool = False, keep: torch.Tensor | None = None):
         """Per-token coefficients of batches ``ids`` ``[D, width]`` (enumeration rows).
 
         Returns ``(draw, pair, coef)``, one entry per loss token: ``ĝ_draw = Σ coef ·
@@ -222,6 +241,9 @@ class StepGradients:
         per_sequence : bool, default False
             Return each token's sequence, ``batch * width + slot`` (its entry of ``ids``
             flattened), in place of its batch.
+        keep : BoolTensor ``[D, width]``, optional
+            The sequences whose tokens are wanted: the batches are prepared whole, the loss
+            and its backward pass run on the kept sequences only (the same coefficients).
 
         Returns
         -------
@@ -235,14 +257,18 @@ class StepGradients:
         batch, step = self._stacked(ids)
         batch = prepare(batch, self.estimator, step=step, max_len=self.mdp.max_len)
         rows = ids.reshape(-1)
+        slot = torch.arange(rows.numel())                     # each sequence's entry of ids
+        if keep is not None:
+            slot = keep.reshape(-1).nonzero(as_tuple=True)[0]
+            batch, rows, step = _select_rows(batch, slot), rows[slot], step[slot]
         lp = self.pi_logprob[rows].clone().requires_grad_(True)
         value, _ = loss(lp, batch, self.estimator, metrics=False)
         (coef,) = torch.autograd.grad(-value, lp)            # c_t = −∂loss/∂log π
         sa = self.sa_index[rows]
         on = sa >= 0
         if first_only:
-            on = on & (torch.arange(rows.numel()) % ids.shape[1] == 0)[:, None]
-        owner = torch.arange(rows.numel()) if per_sequence else step
+            on = on & (slot % ids.shape[1] == 0)[:, None]
+        owner = slot if per_sequence else step
         return owner[:, None].expand_as(sa)[on], sa[on], coef[on]
 
     def dense(self, draw: torch.Tensor, pair: torch.Tensor, coef: torch.Tensor,
@@ -411,7 +437,8 @@ class StepGradients:
         block : int, default 65536
             Batches per block.
         **kwargs
-            ``first_only`` and ``per_sequence``, as for :meth:`coefficients`.
+            ``first_only``, ``per_sequence`` and ``keep`` (``[D, width]``, sliced with
+            ``ids``), as for :meth:`coefficients`.
 
         Yields
         ------
@@ -420,6 +447,8 @@ class StepGradients:
         tuple of Tensor
             Their ``(draw, pair, coef)`` (:meth:`coefficients`).
         """
+        keep = kwargs.pop("keep", None)
         for start in range(0, ids.shape[0], block):
             sl = slice(start, start + block)
-            yield sl, self.coefficients(ids[sl], **kwargs)
+            more = {} if keep is None else {"keep": keep[sl]}
+            yield sl, self.coefficients(ids[sl], **more, **kwargs)
