@@ -13,9 +13,26 @@ in float32. For each registry entry, ``prepare`` runs once (untimed); the timed 
 
 Each figure is the median, over ``--repeats`` adjacent pairs of runs, of the estimator's time
 divided by that of the plain weighted NLL ``-Σ loss_weight · advantage · log π`` in the same
-setting (the two alternate, so each pair sees the same machine load). Targets (issue 17):
-per-token estimators <= 3x loss only and <= 1.1x with the head; sequence-level ones <= 1.5x
-with the head (issue 3).
+setting (the two alternate, so each pair sees the same machine load). Times are the process's
+CPU time (``time.process_time``) when torch runs one thread, so that other processes on a shared
+machine do not count; wall time with several threads. Targets (issue 17): per-token estimators
+<= 3x loss only and <= 1.1x with the head; sequence-coupled ones <= 1.5x with the head
+(issue 3).
+
+The ``kind`` column is measured, not declared. An estimator is *per-token* when the gradient of
+its loss at a token, ``∂loss/∂log π_θ(y_t)``, depends only on that token's own ``log π_θ`` and
+on the step's constants (advantages, loss weights, correction factors, a Clip-Cov or KL-Cov
+selection, self-normalizers: everything ``prepare`` computes from the detached fields): its loss
+is a sum of per-token functions, which a fused elementwise pass computes. It is
+*sequence-coupled* when a token's gradient also depends on the current ``log π_θ`` of other
+tokens, through a reduction over its sequence: a sequence ratio (sequence IS, GSPO, SNIS per
+sequence), GMPO's geometric mean of the clipped token ratios (each token's gradient carries the
+whole sequence's ``g_i``), the prefix products ``ρ_{1:t}`` of per-decision IS and CTPO, or
+OPSM's sequence mask (the mean ``log(μ/π_θ)`` over the sequence decides whether a token keeps
+its gradient). :func:`kind` tests this directly on a small packed step: it evaluates the
+gradient at two random log-prob arrays ``a`` and ``b`` and at their token-wise mix (``a`` on a
+random half of the tokens, ``b`` on the rest); the estimator is per-token iff the mix's
+gradient is ``a``'s on the first half and ``b``'s on the second.
 
 Last, the token-level loss path against the bare loss block of verl, written here from its
 documented formula (``verl.trainer.ppo.core_algos.compute_policy_loss``, the ``vanilla`` mode:
@@ -38,7 +55,6 @@ import torch
 
 from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
-from tokenmdp.estimators import GSPO, GSPOToken, Level, SequenceRatio
 
 ROW = 4096
 
@@ -91,16 +107,54 @@ def packed_step(num_tokens: int, *, generator: torch.Generator, dtype: torch.dty
                           R, ROW, generator=generator, dtype=dtype), 0.0))
 
 
-def is_sequence_level(est: estimators.Estimator) -> bool:
-    """True when the surrogate or the correction reduces over sequences."""
-    level = getattr(est.correction, "level", Level.TOKEN)
-    return isinstance(est.surrogate, (SequenceRatio, GSPO, GSPOToken)) or level is not Level.TOKEN
+def kind(est: estimators.Estimator, *, tokens: int = 6000, seed: int = 1) -> str:
+    """``"token"`` or ``"sequence"`` (coupled): whether the loss gradient at each token depends
+    only on that token's log-prob (module docstring), tested in float64 on a packed step of
+    about ``tokens`` tokens.
+
+    Parameters
+    ----------
+    est : Estimator
+        The estimator.
+    tokens : int, default 6000
+        Size of the test step.
+    seed : int, default 1
+        Seed of the step and of the two log-prob arrays.
+
+    Returns
+    -------
+    str
+        ``"token"`` or ``"sequence"``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    batch = packed_step(tokens, generator=gen, dtype=torch.float64)
+    step = estimators.prepare(batch, est, max_len=1024)
+    # b moves every token's log-prob down by 1 nat: sequence-level masks and caps (OPSM's
+    # δ = 0.5 nat per token) flip between a, b and their mix
+    a, b = (batch.old_logprob - shift + 0.3 * torch.randn(batch.tokens.shape, generator=gen,
+                                                          dtype=torch.float64)
+            for shift in (0.0, 1.0))
+    half = torch.rand(batch.tokens.shape, generator=gen) < 0.5
+
+    def grad(lp):
+        lp = lp.clone().requires_grad_(True)
+        return torch.autograd.grad(estimators.loss(lp, step, est, metrics=False)[0], lp)[0]
+    expected = torch.where(half, grad(a), grad(b))
+    mixed = grad(torch.where(half, a, b))
+    return "token" if torch.allclose(mixed, expected, rtol=1e-12, atol=0.0) else "sequence"
+
+
+def _clock():
+    """CPU time of the process with one torch thread (other processes' load does not count),
+    wall time otherwise."""
+    return time.process_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
 def _once(fn) -> float:
-    start = time.perf_counter()
+    clock = _clock()
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def relative_time(fn, baseline, repeats: int) -> tuple[float, float]:
@@ -157,8 +211,9 @@ def main(argv: list[str] | None = None) -> None:
         weights = step.loss_weight * step.advantage
         return lambda lp: -torch.where(mask, weights * lp, 0.0).sum()
 
+    clock = "CPU time" if _clock() is time.process_time else "wall time"
     print(f"{batch}: {batch.num_real_tokens} tokens, {batch.num_loss_tokens} loss tokens, "
-          f"float32, {torch.get_num_threads()} threads, median of {args.repeats} pairs")
+          f"float32, {torch.get_num_threads()} threads, {clock}, median of {args.repeats} pairs")
     base_step = estimators.prepare(batch, estimators.get("reinforce"))
     base = {h: run(nll(base_step), h) for h in (False, True)}
     base_ms = [relative_time(base[h], base[h], args.repeats)[0] * 1e3 for h in (False, True)]
@@ -178,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
             return fn(lp, step, est, metrics=True)
         full = relative_time(run(with_metrics, False), base[False], args.repeats)[1]
         ratios = [relative_time(run(fn, h), base[h], args.repeats)[1] for h in (False, True)]
-        seq = is_sequence_level(est)
+        seq = kind(est) == "sequence"
         only_target, head_target = (None, 1.5) if seq else (3.0, 1.1)
         only_ok = "" if only_target is None else (
             f"{only_target:5.1f}x " + ("ok" if ratios[0] <= only_target else "MISS"))

@@ -13,14 +13,18 @@ them, so the micro-batch losses sum to the full-step loss::
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from tokenmdp.batch import TokenBatch
+from tokenmdp.estimators import _fused_sequence, _fused_surrogates  # noqa: F401 (kernels)
 from tokenmdp.estimators._common import MAX_LOG_RATIO, check_like_tokens
+from tokenmdp.estimators._fused import Bound, FusedLoss, Request, bind, sanitized
 from tokenmdp.estimators.aggregation import Aggregation, loss_weights
-from tokenmdp.estimators.corrections import Level
+from tokenmdp.estimators.corrections import CorrectionFactor, Level
 from tokenmdp.estimators.estimator import Estimator, resolve
+from tokenmdp.estimators.surrogates import SurrogateTerms
 from tokenmdp.estimators.weight_diagnostics import correction_diagnostics
 
 __all__ = ["loss", "per_micro_batch_token_mean_loss"]
@@ -65,9 +69,19 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator, *,
     ``estimator`` may also be a registry name (``"grpo"``). Half-precision batches are refused
     (``TypeError``): the ratio cap ``e^20`` and the metrics overflow in float16.
     """
+    return _loss(logprobs_RC, batch, estimator, metrics=metrics, fused=True)
+
+
+def _loss(logprobs_RC, batch, estimator, *, metrics: bool, fused: bool):
+    """:func:`loss`; ``fused=False`` forces the autograd path (the parts' ``__call__``), which
+    the fused one replaces whenever every part has a fused kernel (:mod:`._fused`): the same
+    value and gradient, up to the order of floating-point products."""
     estimator = resolve(estimator)
     estimator._check(batch, "loss")
     check_like_tokens("logprobs_RC", logprobs_RC, batch.advantage)
+    constants = _step_constants(batch, estimator)
+    if fused and constants.plan is not None:
+        return _fused_loss(logprobs_RC, batch, estimator, constants, metrics)
     mask = batch.loss_mask
     logprobs_RC = torch.where(mask, logprobs_RC, 0.0)
     terms = estimator.surrogate(logprobs_RC, batch)
@@ -76,7 +90,8 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator, *,
     # graph; the terms are finite off the loss tokens (log-probs 0 there, ratios capped), so
     # their zero weight removes them. They are constants of the step: computed once per
     # (batch, estimator) and reused by later calls (_step_constants).
-    factor, weight_RC, surrogate_weight_RC = _step_constants(batch, estimator)
+    factor, weight_RC, surrogate_weight_RC = constants.factor, constants.weight_RC, \
+        constants.surrogate_weight_RC
     total = -_weighted_sum(surrogate_weight_RC, terms.term_RC)
     k_RC = None
     if estimator.kl is not None and not estimator.kl.in_reward:
@@ -87,12 +102,64 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator, *,
         total = total + logprobs_RC.sum()                      # gradient, not a graph error
     if not metrics:
         return total, {}
+    return total, _all_metrics(logprobs_RC, batch, estimator, terms, factor.keep_RC, k_RC)
+
+
+def _fused_loss(logprobs_RC, batch, estimator, constants, metrics):
+    """The fused path: the kernels' loss value and gradient coefficient, joined to
+    ``logprobs_RC`` by :class:`~tokenmdp.estimators._fused.FusedLoss` (a one-product backward
+    pass)."""
+    plan = constants.plan
+    grad = logprobs_RC.requires_grad and torch.is_grad_enabled()
     with torch.no_grad():
-        out = _metrics(logprobs_RC, batch, terms, factor.keep_RC, k_RC)
+        x = sanitized(logprobs_RC, batch.loss_mask, plan.mask_f_RC)
+        request = Request(grad, metrics)
+        terms = plan.surrogate(x, batch, request)
+        total, coef = terms.total, terms.coef_RC
+        k_RC = None
+        if plan.kl is not None:
+            penalty = plan.kl(x, batch, request)
+            total = total + penalty.total
+            if grad:
+                coef = (penalty.coef_RC.add_(coef) if penalty.owned else
+                        coef.add_(penalty.coef_RC) if terms.owned else coef + penalty.coef_RC)
+            k_RC = penalty.values_RC
+    if grad:
+        total = FusedLoss.apply(logprobs_RC, total, coef)
+    if not metrics:
+        return total, {}
+    surrogate_terms = SurrogateTerms(None, terms.clipped_RC, terms.ratio_RC)
+    return total, _all_metrics(x, batch, estimator, surrogate_terms, constants.factor.keep_RC,
+                               k_RC)
+
+
+def _all_metrics(logprobs_RC, batch, estimator, terms, keep_RC, k_RC):
+    """:func:`_metrics` and, with both old and behavior log-probs, the correction's
+    diagnostics."""
+    with torch.no_grad():
+        out = _metrics(logprobs_RC, batch, terms, keep_RC, k_RC)
         if batch.old_logprob is not None and batch.behavior_logprob is not None:
             level = getattr(estimator.correction, "level", Level.TOKEN)
             out.update(correction_diagnostics(batch, sequence=level is not Level.TOKEN))
-    return total, out
+    return out
+
+
+class _Plan(NamedTuple):
+    """The fused path of one (batch, estimator): the bound surrogate and KL penalty, the 0/1
+    float loss mask."""
+
+    surrogate: Bound
+    kl: Bound | None
+    mask_f_RC: torch.Tensor
+
+
+class _Constants(NamedTuple):
+    """A step's constants under one estimator (:func:`_step_constants`)."""
+
+    factor: CorrectionFactor
+    weight_RC: torch.Tensor
+    surrogate_weight_RC: torch.Tensor
+    plan: _Plan | None
 
 
 #: The fields a step constant is computed from (their in-place changes invalidate it).
@@ -102,10 +169,11 @@ _constants: dict[int, tuple] = {}
 
 
 def _step_constants(batch: TokenBatch, estimator: Estimator):
-    """``(correction factor, weight_RC, surrogate_weight_RC)`` of ``batch`` under ``estimator``,
-    cached while ``batch`` lives and its inputs keep their tensor versions (an in-place change
-    recomputes them), for the last estimator used on it; gradient mode is irrelevant (they carry
-    no graph)."""
+    """:class:`_Constants` of ``batch`` under ``estimator`` (the correction factor, the masked
+    loss weight, the surrogate's weight and the fused plan, None when a part has no fused
+    kernel), cached while ``batch`` lives and its inputs keep their tensor versions (an in-place
+    change recomputes them), for the last estimator used on it; gradient mode is irrelevant
+    (they carry no graph)."""
     versions = tuple(None if getattr(batch, f) is None else
                      (id(getattr(batch, f)), getattr(batch, f)._version) for f in _CONSTANT_INPUTS)
     hit = _constants.get(id(batch))
@@ -116,11 +184,26 @@ def _step_constants(batch: TokenBatch, estimator: Estimator):
         weight_RC = torch.where(batch.loss_mask, batch.loss_weight, 0.0)
         surrogate_weight_RC = (weight_RC if factor.factor_RC is None
                                else weight_RC * factor.factor_RC)
-    value = (factor, weight_RC, surrogate_weight_RC)
+        value = _Constants(factor, weight_RC, surrogate_weight_RC,
+                           _plan(batch, estimator, weight_RC, surrogate_weight_RC))
     key = id(batch)
     _constants[key] = (weakref.ref(batch, lambda _, key=key: _constants.pop(key, None)),
                        estimator, versions, value)
     return value
+
+
+def _plan(batch, estimator, weight_RC, surrogate_weight_RC) -> _Plan | None:
+    """The fused path's parts bound to their step constants (the surrogate's signed weight is
+    ``-surrogate_weight``: the loss is ``Σ weight · term``), or None."""
+    surrogate = bind(estimator.surrogate, batch, -surrogate_weight_RC)
+    if surrogate is None:
+        return None
+    kl = None
+    if estimator.kl is not None and not estimator.kl.in_reward:
+        kl = bind(estimator.kl, batch, weight_RC)
+        if kl is None:
+            return None
+    return _Plan(surrogate, kl, batch.loss_mask.to(batch.dtype))
 
 
 def _weighted_sum(weight_RC: torch.Tensor, values_RC: torch.Tensor) -> torch.Tensor:

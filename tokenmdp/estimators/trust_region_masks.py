@@ -42,6 +42,23 @@ def _check_divergence(divergence: str) -> None:
                          f"{divergence!r}")
 
 
+def _xlogy(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x log y``, 0 where ``x = 0``, for ``x`` in ``[0, 1]``: ``log y`` held to the finite
+    range, then multiplied by ``x`` (``torch.xlogy`` has no vectorized CPU kernel and costs a
+    few times more). Equal to ``torch.xlogy`` up to the rounding of ``log``, except that
+    ``x log 0`` is ``-x · float max`` instead of ``-∞`` (for ``x > 0``: the binary KL below is
+    then huge instead of infinite, the same side of every threshold).
+
+    """
+    return _xlogy_(x, torch.clone(y))
+
+
+def _xlogy_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """:func:`_xlogy` written over ``y``."""
+    big = torch.finfo(y.dtype).max
+    return y.log_().clamp_(-big, big).mul_(x)
+
+
 def dppo_keep_mask(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
                    advantages_RC: torch.Tensor, *, divergence: str, delta_low: float,
                    delta_high: float) -> torch.Tensor:
@@ -84,7 +101,7 @@ def dppo_keep_mask(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
             up, down = p - p_old > delta_high, p - p_old < -delta_low
         else:
             q, q_old = -torch.expm1(logp), -torch.expm1(logp_old)     # 1 - p, 1 - p_old
-            d = p_old * (logp_old - logp) + torch.xlogy(q_old, q_old) - torch.xlogy(q_old, q)
+            d = p_old * (logp_old - logp) + _xlogy(q_old, q_old) - _xlogy(q_old, q)
             up, down = (d > delta_high) & (p > p_old), (d > delta_low) & (p < p_old)
         pos = advantages_RC > 0
         return ~torch.where(pos, up, down)

@@ -1,0 +1,213 @@
+"""Fused kernels of the sequence-coupled surrogates: GMPO, OPSM, per-decision IS (not public API).
+
+A token's gradient under these depends on the other tokens of its sequence (a geometric mean,
+a sequence mask, a prefix product), so each kernel reduces over sequences. The reductions are
+the autograd path's, computed faster from step constants of the layout (:class:`Segments`):
+
+* a per-sequence sum adds each *run* (maximal stretch of one sequence's tokens, contiguous in
+  memory; a packed row holds each sequence in one run) with ``segment_reduce``, then the runs
+  of a sequence with one ``index_add`` over the runs: the same sequential sum in token order when
+  a sequence is one run, several times faster than ``index_add`` over every token;
+* a gather to the tokens is one ``index_select`` (the padding reads an appended 0);
+* per-decision IS's prefix sums use the dense ``[S, max position + 1]`` view of
+  :func:`~tokenmdp.estimators.cumulative_log_ratio` with the flat cell of each token computed
+  once (``index_copy`` instead of an accumulating ``index_put``).
+
+The gradients follow from the chain rule by hand (module docstrings of
+:mod:`~tokenmdp.estimators._fused` and ``tests/estimators/test_fused_loss.py``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from tokenmdp.batch import TokenBatch
+from tokenmdp.estimators._common import MAX_LOG_RATIO, require
+from tokenmdp.estimators._fused import (
+    FusedTerms,
+    below_cap,
+    bind,
+    dot,
+    indicator,
+    register,
+    scaled,
+)
+from tokenmdp.estimators.per_decision import PerDecisionRatio
+from tokenmdp.estimators.soft_surrogates import GMPO
+from tokenmdp.estimators.trust_region_masks import OffPolicySequenceMask
+
+INF = float("inf")
+
+
+class Segments(NamedTuple):
+    """The layout's runs: ``slot`` ``[N]`` (each token's sequence, ``S`` for padding),
+    ``run_slot`` and ``run_length`` (each run's sequence and length), ``S``, the 0/1 float loss
+    mask ``[N]`` and each sequence's loss-token count (``>= 1``)."""
+
+    slot: torch.Tensor
+    run_slot: torch.Tensor
+    run_length: torch.Tensor
+    num_sequences: int
+    mask_f: torch.Tensor
+    count_S: torch.Tensor
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Float ``[S]``: the sum of ``values`` (flat ``[N]``) over each sequence's tokens."""
+        runs = torch.segment_reduce(values, "sum", lengths=self.run_length)
+        out = values.new_zeros(self.num_sequences + 1)
+        return out.index_add_(0, self.run_slot, runs)[:self.num_sequences]
+
+    def to_tokens(self, values_S: torch.Tensor) -> torch.Tensor:
+        """Flat ``[N]``: each token's sequence value (0 on padding)."""
+        return torch.cat([values_S, values_S.new_zeros(1)]).index_select(0, self.slot)
+
+
+def segments(batch: TokenBatch) -> Segments:
+    """The :class:`Segments` of ``batch``'s layout."""
+    sid = batch.sequence_id.reshape(-1)
+    S = batch.num_sequences
+    slot = torch.where(sid >= 0, sid, S)
+    start = torch.ones_like(slot, dtype=torch.bool)
+    start[1:] = slot[1:] != slot[:-1]
+    first = start.nonzero().squeeze(1)
+    length = torch.diff(first, append=first.new_tensor([slot.numel()]))
+    mask_f = batch.loss_mask.reshape(-1).to(batch.dtype)
+    count = mask_f.new_zeros(S + 1).index_add_(0, slot, mask_f)[:S].clamp_(min=1)
+    return Segments(slot, slot[first], length, S, mask_f, count)
+
+
+# ---------------------------------------------------------------------- GMPO
+class Geometric(NamedTuple):
+    """GMPO's step constants: the segments, ``log π_old``, the clamp bounds of ``log r`` and
+    ``WA_S = Σ_{t∈s} weight Â`` per sequence."""
+
+    seg: Segments
+    old: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    weight_A: torch.Tensor
+    wA_S: torch.Tensor
+
+
+def _gmpo_constants(part, batch, weight_RC):
+    if batch.loss_mask.numel() == 0:  # an empty layout: the autograd path
+        return None
+    seg = segments(batch)
+    A = batch.advantage.reshape(-1)
+    on = batch.loss_mask.reshape(-1)
+    scalar = A.new_tensor
+    lo = torch.where(on & (A < 0), scalar(-part.eps_low), scalar(-INF))
+    hi = torch.where(on & (A > 0), scalar(part.eps_high), scalar(INF))
+    weight_A = weight_RC.reshape(-1) * A
+    return Geometric(seg, batch.old_logprob.reshape(-1), lo, hi, weight_A, seg.sum(weight_A))
+
+
+def _gmpo(part, x, batch, c, request):
+    """``g_s Â``, ``log g_s = mean_{t∈s} clamp(log r_t, lo, hi)``: value ``Σ_s g_s WA_s``,
+    coefficient ``1{unclipped} g_s WA_s / |y_s|`` (0 where ``log g_s`` is above the cap)."""
+    seg = c.seg
+    log_ratio = torch.sub(x.reshape(-1), c.old).mul_(seg.mask_f)
+    clamped = torch.clamp(log_ratio, c.lo, c.hi)
+    log_g = seg.sum(clamped).div_(seg.count_S)
+    g = log_g.clamp(max=MAX_LOG_RATIO).exp_()
+    wA_S = c.wA_S if request.scale_RC is None else \
+        seg.sum(c.weight_A * request.scale_RC.reshape(-1))
+    total = torch.dot(g, wA_S)
+    clipped = None
+    if request.metrics:
+        clipped = ((clamped != log_ratio) & (seg.mask_f > 0)).view_as(x)
+    coef = None
+    if request.grad:
+        coef_S = g.mul_(wA_S).div_(seg.count_S).mul_(below_cap(log_g, reuse=True))
+        coef = indicator(torch.eq, clamped, log_ratio, out=clamped).mul_(seg.mask_f)
+        coef = coef.mul_(seg.to_tokens(coef_S)).view_as(x)
+    return FusedTerms(total, coef, clipped)
+
+
+register(GMPO, _gmpo_constants, _gmpo)
+
+
+# ---------------------------------------------------------------------- OPSM
+class SequenceMasked(NamedTuple):
+    """OPSM's step constants: the bound base part, the segments, the sampling log-probs and
+    ``1{Â < 0}`` as 0/1 floats."""
+
+    base: object
+    seg: Segments
+    sampling: torch.Tensor
+    negative: torch.Tensor
+
+
+def _opsm_constants(part, batch, weight_RC):
+    base = bind(part.base, batch, weight_RC)
+    if base is None or batch.loss_mask.numel() == 0:
+        return None
+    field = "behavior_logprob" if part.against == "behavior" else "old_logprob"
+    sampling = require(batch, field, f"surrogate {part.describe()}")
+    negative = (batch.advantage < 0).to(batch.dtype).reshape(-1)
+    return SequenceMasked(base, segments(batch), sampling.reshape(-1), negative)
+
+
+def _opsm(part, x, batch, c, request):
+    """The base kernel with its weight times the sequence mask ``1 - far_s 1{Â < 0}``,
+    ``far_s = 1{mean_{t∈s} log(μ/π_θ) > δ}``."""
+    seg = c.seg
+    log_q = torch.rsub(x.reshape(-1), c.sampling).mul_(seg.mask_f)
+    far_S = indicator(torch.gt, seg.sum(log_q).div_(seg.count_S), part.delta)
+    keep = seg.to_tokens(far_S).mul_(c.negative).neg_().add_(1).view_as(x)
+    scale = keep if request.scale_RC is None else keep * request.scale_RC
+    terms = c.base(x, batch, request._replace(scale_RC=scale))
+    if request.metrics:
+        dropped = keep == 0
+        clipped = dropped if terms.clipped_RC is None else terms.clipped_RC | dropped
+        terms = terms._replace(clipped_RC=clipped)
+    return terms
+
+
+register(OffPolicySequenceMask, _opsm_constants, _opsm)
+
+
+# ---------------------------------------------------------------------- per-decision IS
+class Prefix(NamedTuple):
+    """Per-decision IS's step constants: each token's flat cell of the dense
+    ``[S + 1, max position + 1]`` view (padding: the extra row's first cell), its shape,
+    ``wA``, the sampling log-probs and the 0/1 float loss mask."""
+
+    cell: torch.Tensor
+    shape: tuple[int, int]
+    wA: torch.Tensor
+    sampling: torch.Tensor
+    mask_f: torch.Tensor
+
+
+def _per_decision_constants(part, batch, weight_RC):
+    if batch.loss_mask.numel() == 0:
+        return None
+    sampling = require(batch, part.requires[0], f"surrogate {part.describe()}")
+    S = batch.num_sequences
+    width = int(batch.position.max()) + 1
+    sid = batch.sequence_id
+    cell = torch.where(sid >= 0, sid * width + batch.position, S * width).reshape(-1)
+    return Prefix(cell, (S + 1, width), weight_RC * batch.advantage, sampling,
+                  batch.loss_mask.to(batch.dtype))
+
+
+def _per_decision(part, x, batch, c, request):
+    """``ρ_{1:t} Â``: value ``Σ wA exp(min(cum, 20))``, coefficient ``wA ρ_{1:t} 1{cum <= 20}``
+    with ``cum`` the prefix sum of ``log ρ`` over the sequence's loss tokens."""
+    wA = scaled(c.wA, request)
+    values = torch.sub(x, c.sampling).mul_(c.mask_f).reshape(-1)
+    dense = values.new_zeros(c.shape[0] * c.shape[1])
+    dense.index_copy_(0, c.cell, values)
+    cum = dense.view(c.shape).cumsum(1).view(-1).index_select(0, c.cell)
+    cum = cum.mul_(c.mask_f.reshape(-1)).view_as(x)
+    ratio = cum.clamp(max=MAX_LOG_RATIO).exp_()
+    total = dot(wA, ratio)
+    clipped = ((cum > MAX_LOG_RATIO) & batch.loss_mask) if request.metrics else None
+    coef = below_cap(cum, reuse=True).mul_(ratio).mul_(wA) if request.grad else None
+    return FusedTerms(total, coef, clipped)
+
+
+register(PerDecisionRatio, _per_decision_constants, _per_decision)
