@@ -98,11 +98,17 @@ def sequence_sum(values_RC: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
     return out.index_add(0, sid, values_RC.reshape(-1))
 
 
+def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` for an integer ``index`` of any shape, by ``index_select`` (the same
+    gather, about twice as fast as advanced indexing on CPU)."""
+    return values.index_select(0, index.reshape(-1)).view(index.shape + values.shape[1:])
+
+
 def to_tokens(values_S: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
     """Each token gets its sequence's value (one gather; padding gets sequence 0's, mask it)."""
     if batch.num_sequences == 0:
         return values_S.new_zeros(batch.tokens.shape)
-    return values_S[batch.sequence_id.clamp(min=0)]
+    return take(values_S, batch.sequence_id.clamp(min=0))
 
 
 def loss_token_counts(batch: TokenBatch, mask_RC: torch.Tensor | None = None) -> torch.Tensor:

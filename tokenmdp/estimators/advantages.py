@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from tokenmdp.estimators._common import check_nonnegative, loss_token_counts
+from tokenmdp.estimators._common import check_nonnegative, loss_token_counts, take
 
 __all__ = [
     "Advantage", "BatchNormalized", "GroupMean", "GroupNormalized", "LeaveOneOut",
@@ -59,7 +59,8 @@ def _group_deviation(reward_S: torch.Tensor, group_S: torch.Tensor):
     empty = reward_S.new_zeros(num_groups)
     hi = empty.scatter_reduce(0, index, reward_S, "amax", include_self=False)
     lo = empty.scatter_reduce(0, index, reward_S, "amin", include_self=False)
-    deviation = torch.where((hi == lo)[index], torch.zeros_like(reward_S), reward_S - mean[index])
+    deviation = torch.where(take(hi == lo, index), torch.zeros_like(reward_S),
+                            reward_S - take(mean, index))
     return deviation, index, size
 
 
@@ -70,7 +71,7 @@ def _std(deviation_S: torch.Tensor, index: torch.Tensor, size: torch.Tensor, ddo
         raise ValueError(f"{who}: a group of {int(size.min())} sequence(s) has no std with "
                          f"ddof={ddof}")
     sq = deviation_S.new_zeros(size.shape).index_add(0, index, deviation_S.square())
-    return (sq / (size - ddof)).sqrt()[index]
+    return take((sq / (size - ddof)).sqrt(), index)
 
 
 def reward_advantage(reward_S: torch.Tensor) -> torch.Tensor:
@@ -169,7 +170,7 @@ def leave_one_out_advantage(reward_S: torch.Tensor, group_S: torch.Tensor) -> to
     deviation, index, size = _group_deviation(reward_S, group_S)
     if bool((size < 2).any()):
         raise ValueError("group_S: leave-one-out needs every group to have at least 2 sequences")
-    return deviation * (size / (size - 1))[index]
+    return deviation * take(size / (size - 1), index)
 
 
 def batch_normalized_advantage(reward_S: torch.Tensor, *, ddof: int, eps: float,
@@ -251,6 +252,8 @@ class Advantage:
         Tensor ``[S]``
             One advantage per sequence.
         """
+        if type(self).per_sequence is Advantage.per_sequence:    # the counts unused: not counted
+            return self(reward_S, batch.group, step_S)
         return self.per_sequence(reward_S, batch.group, loss_token_counts(batch), step_S)
 
     def per_sequence(self, reward_S: torch.Tensor, group_S: torch.Tensor,

@@ -36,7 +36,7 @@ import math
 import torch
 
 from tokenmdp.batch import TokenBatch
-from tokenmdp.estimators._common import loss_token_counts
+from tokenmdp.estimators._common import loss_token_counts, take
 
 __all__ = ["Aggregation", "SequenceCount", "count_groups", "count_step", "loss_weights"]
 
@@ -203,7 +203,7 @@ def _per_step(values_S: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Each sequence's step total of ``values_S`` (at least 1)."""
     num_steps = int(step.max()) + 1 if step.numel() else 0
     totals = values_S.new_zeros(num_steps).index_add_(0, step, values_S)
-    return totals.clamp(min=1)[step]
+    return take(totals.clamp(min=1), step)
 
 
 def _prompt_mean_weights(batch: TokenBatch, per_seq: torch.Tensor, step: torch.Tensor | None,
@@ -295,7 +295,7 @@ def loss_weights(
         else torch.ones_like(per_seq)
     sid = batch.sequence_id.clamp(min=0)
     if step is not None:
-        n_tok, n_seq = _per_step(per_seq, step)[sid], _per_step(counted_S, step)[sid]
+        n_tok, n_seq = take(_per_step(per_seq, step), sid), take(_per_step(counted_S, step), sid)
     else:
         local_tokens, local_seqs = int(mask.sum()), int(counted_S.sum())
         n_tok = max(_check_count("num_tokens", num_tokens, local_tokens), 1)
@@ -304,7 +304,7 @@ def loss_weights(
     if mode is Aggregation.TOKEN_MEAN:
         return ones / n_tok
     if mode is Aggregation.SEQUENCE_MEAN_TOKEN_MEAN:
-        per_token_len = per_seq.clamp(min=1)[sid]
+        per_token_len = take(per_seq.clamp(min=1), sid)
         return ones / (per_token_len * n_seq)
     if mode is Aggregation.SEQUENCE_MEAN_TOKEN_SUM:
         return ones / n_seq
@@ -316,5 +316,5 @@ def loss_weights(
     if mode is Aggregation.PROMPT_MEAN_TOKEN_MEAN:
         if batch.num_sequences == 0:
             return ones
-        return ones * _prompt_mean_weights(batch, per_seq, step, num_groups, sequences)[sid]
+        return ones * take(_prompt_mean_weights(batch, per_seq, step, num_groups, sequences), sid)
     return ones  # Aggregation.TOKEN_SUM

@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators import Estimator, loss, prepare
+from tokenmdp.estimators._common import take
 from tokenmdp.exact.ground_truth import state_logprobs
 from tokenmdp.exact.mdp import TokenMDP
 from tokenmdp.exact.policies import TabularPolicy, check_policy
@@ -96,15 +97,15 @@ def _stacked_batch(enum: TokenBatch, ids: torch.Tensor, group_size: int,
     D, width = ids.shape
     rows = ids.reshape(-1)
     S = rows.numel()
-    real = enum.sequence_id[rows] >= 0
+    real = take(enum.sequence_id, rows) >= 0
     seq = torch.arange(S)
     fields = dict(
-        tokens=enum.tokens[rows], sequence_id=torch.where(real, seq[:, None], -1),
-        position=enum.position[rows], loss_mask=enum.loss_mask[rows],
-        advantage=enum.advantage[rows], loss_weight=enum.loss_weight[rows],
-        reward=enum.reward[rows], group=seq // group_size, length=enum.length[rows],
-        prompt_index=enum.prompt_index[rows],
-        **{name: lp[rows] for name, lp in logprob_fields.items()})
+        tokens=take(enum.tokens, rows), sequence_id=torch.where(real, seq[:, None], -1),
+        position=take(enum.position, rows), loss_mask=take(enum.loss_mask, rows),
+        advantage=take(enum.advantage, rows), loss_weight=take(enum.loss_weight, rows),
+        reward=take(enum.reward, rows), group=seq // group_size, length=take(enum.length, rows),
+        prompt_index=take(enum.prompt_index, rows),
+        **{name: take(lp, rows) for name, lp in logprob_fields.items()})
     batch = object.__new__(TokenBatch)
     for f in dataclasses.fields(TokenBatch):            # absent fields at their defaults
         value = fields[f.name] if f.name in fields else (
@@ -123,11 +124,11 @@ def _select_rows(batch: TokenBatch, rows: torch.Tensor) -> TokenBatch:
     for f in dataclasses.fields(TokenBatch):
         value = getattr(batch, f.name)
         if f.name == "sequence_id":
-            value = torch.where(value[rows] >= 0, torch.arange(rows.numel())[:, None], -1)
+            value = torch.where(take(value, rows) >= 0, torch.arange(rows.numel())[:, None], -1)
         elif f.name == "token_extras":
-            value = {k: v[rows] for k, v in value.items()}
+            value = {k: take(v, rows) for k, v in value.items()}
         elif isinstance(value, torch.Tensor):
-            value = value[rows]
+            value = take(value, rows)
         object.__setattr__(out, f.name, value)
     return out
 
@@ -261,10 +262,10 @@ class StepGradients:
         if keep is not None:
             slot = keep.reshape(-1).nonzero(as_tuple=True)[0]
             batch, rows, step = _select_rows(batch, slot), rows[slot], step[slot]
-        lp = self.pi_logprob[rows].clone().requires_grad_(True)
+        lp = take(self.pi_logprob, rows).requires_grad_(True)
         value, _ = loss(lp, batch, self.estimator, metrics=False)
         (coef,) = torch.autograd.grad(-value, lp)            # c_t = −∂loss/∂log π
-        sa = self.sa_index[rows]
+        sa = take(self.sa_index, rows)
         on = sa >= 0
         if first_only:
             on = on & (slot % ids.shape[1] == 0)[:, None]

@@ -1,10 +1,15 @@
-"""Issue 17: the advantages' group index by runs (sorted ids) equals the sort-based one."""
+"""Issue 17: the fast paths of ``prepare`` against what they replace, bit for bit.
+
+* the advantages' group index by runs (sorted ids) against the sort-based one;
+* gathers by ``index_select`` (``take``) against advanced indexing.
+"""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmdp.estimators import advantages as A
+from tokenmdp.estimators._common import take
 
 
 def reference(group_S):
@@ -34,3 +39,13 @@ def test_stacked_steps_take_the_run_path(monkeypatch):
                                                                              dtype=torch.float64))
         mean = torch.zeros(16, dtype=torch.float64).index_add(0, index, reward) / size
         assert torch.equal(A.group_mean_advantage(reward, ids), reward - mean[index])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 30), st.integers(0, 3), st.sampled_from([(), (2,), (2, 3)]),
+       st.sampled_from([torch.float64, torch.int64, torch.bool]), st.integers(0, 10_000))
+def test_take_equals_advanced_indexing(n, index_dims, trailing, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(n, *trailing, generator=g, dtype=torch.float64) * 3).to(dtype)
+    index = torch.randint(0, n, (3, 4, 2)[:index_dims], generator=g)
+    assert torch.equal(take(values, index), values[index])
