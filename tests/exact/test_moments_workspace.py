@@ -219,3 +219,13 @@ def test_the_loss_on_the_kept_sequences_only_gives_the_same_coefficients(scenari
     only = keep[:, 0][first[0]]
     for a, b in zip(fast, (t[only] for t in first)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo_tis", "gspo"])
+def test_small_blocks_of_sequences_give_the_same_moments(scenario, name, monkeypatch):
+    mdp, pi, kw = scenario
+    whole = moments(mdp, pi, E.get(name), group_size=3, method="exchangeability", **kw)
+    monkeypatch.setattr(EX, "BLOCK_SEQUENCES", 7)               # two batches of 3 a block
+    blocks = moments(mdp, pi, E.get(name), group_size=3, method="exchangeability", **kw)
+    assert_same(blocks, whole)
+    assert blocks.num_draws == whole.num_draws > 2
