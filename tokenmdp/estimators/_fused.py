@@ -127,14 +127,24 @@ def bind(part, batch: TokenBatch, weight_RC: torch.Tensor) -> Bound | None:
 
 
 # ---------------------------------------------------------------------- elementwise helpers
-def sanitized(logprobs_RC: torch.Tensor, mask_RC: torch.Tensor, mask_f_RC: torch.Tensor
-              ) -> torch.Tensor:
+#: Bound on ``|log π|`` under which the per-token kernels may read the raw log-probs: every
+#: kernel's arithmetic stays finite (``r |x| <= e^20 · 1e15``, ``(x - log π_ref)² <= 1e31``), so
+#: the zero weight off the loss tokens removes them exactly, as it removes ``where``'s zeros.
+TAME = 1e15
+
+
+def sanitized(logprobs_RC: torch.Tensor, mask_RC: torch.Tensor, mask_f_RC: torch.Tensor, *,
+              raw_ok: bool = False) -> torch.Tensor:
     """``where(mask, logprobs, 0)``, detached. On CPU, where a boolean ``where`` costs several
-    float passes, a finite input is multiplied by the 0/1 float mask instead (the same values:
-    ``v · 1 = v``, finite ``v · 0 = ±0``), after one reduction checks that it is finite."""
+    float passes, one reduction first checks that every value is finite with ``|x| <= TAME``;
+    then the input itself is returned when ``raw_ok`` (the kernels read it where the weights
+    are 0, and the products vanish), else it is multiplied by the 0/1 float mask (the same
+    values: ``v · 1 = v``, ``v · 0 = ±0``)."""
     x = logprobs_RC.detach()
-    if x.device.type == "cpu" and bool(torch.isfinite(x.sum())):
-        return x * mask_f_RC
+    if x.device.type == "cpu" and x.numel():
+        lo, hi = torch.aminmax(x)
+        if bool(lo >= -TAME) and bool(hi <= TAME):
+            return x if raw_ok else x * mask_f_RC
     return torch.where(mask_RC, x, 0.0)
 
 
@@ -147,16 +157,33 @@ def indicator(condition: Callable[..., torch.Tensor], a: torch.Tensor, b,
     return condition(a, b, out=out)
 
 
-def capped_ratio(x_RC: torch.Tensor, ref_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log r, r)`` with ``log r = x - ref`` and ``r = exp(min(log r, MAX_LOG_RATIO))``: the
-    same values as :func:`~tokenmdp.estimators._common.capped_exp`."""
+def capped_anywhere(log_ratio_RC: torch.Tensor) -> bool:
+    """Whether some ``log r`` may exceed ``MAX_LOG_RATIO``: False on CPU when one reduction
+    shows that none does (then ``min(log r, MAX_LOG_RATIO) = log r`` and :func:`below_cap` is
+    1 everywhere: a kernel skips the clamp and the product by it, bit for bit the same); True
+    elsewhere (a device would have to synchronize)."""
+    if log_ratio_RC.device.type != "cpu" or not log_ratio_RC.numel():
+        return True
+    return not bool(log_ratio_RC.max() <= MAX_LOG_RATIO)
+
+
+def capped_ratio(x_RC: torch.Tensor, ref_RC: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(log r, r, capped)`` with ``log r = x - ref``, ``r = exp(min(log r, MAX_LOG_RATIO))``
+    (the values of :func:`~tokenmdp.estimators._common.capped_exp`) and ``capped`` from
+    :func:`capped_anywhere`."""
     log_ratio = x_RC - ref_RC
-    return log_ratio, log_ratio.clamp(max=MAX_LOG_RATIO).exp_()
+    capped = capped_anywhere(log_ratio)
+    ratio = log_ratio.clamp(max=MAX_LOG_RATIO).exp_() if capped else torch.exp(log_ratio)
+    return log_ratio, ratio, capped
 
 
 def ratio_only(x_RC: torch.Tensor, ref_RC: torch.Tensor) -> torch.Tensor:
     """``r`` of :func:`capped_ratio` alone, in one fresh tensor."""
-    return torch.sub(x_RC, ref_RC).clamp_(max=MAX_LOG_RATIO).exp_()
+    log_ratio = torch.sub(x_RC, ref_RC)
+    if capped_anywhere(log_ratio):
+        log_ratio.clamp_(max=MAX_LOG_RATIO)
+    return log_ratio.exp_()
 
 
 def below_cap(log_ratio_RC: torch.Tensor, *, reuse: bool = False) -> torch.Tensor:

@@ -29,6 +29,7 @@ from tokenmdp.estimators._fused import (
     FusedTerms,
     below_cap,
     bind,
+    capped_anywhere,
     dot,
     indicator,
     register,
@@ -206,7 +207,10 @@ def _per_decision(part, x, batch, c, request):
     ratio = cum.clamp(max=MAX_LOG_RATIO).exp_()
     total = dot(wA, ratio)
     clipped = ((cum > MAX_LOG_RATIO) & batch.loss_mask) if request.metrics else None
-    coef = below_cap(cum, reuse=True).mul_(ratio).mul_(wA) if request.grad else None
+    coef = None
+    if request.grad:
+        coef = (below_cap(cum, reuse=True).mul_(ratio) if capped_anywhere(cum)
+                else ratio).mul_(wA)
     return FusedTerms(total, coef, clipped)
 
 

@@ -15,6 +15,7 @@ The PPO mask ``M`` as a clamp: ``min(r Â, clip(r) Â)`` (with dual clip ``c``:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -24,6 +25,7 @@ from tokenmdp.estimators._fused import (
     FusedTerms,
     below_cap,
     bind,
+    capped_anywhere,
     capped_ratio,
     dot,
     indicator,
@@ -35,7 +37,7 @@ from tokenmdp.estimators.covariance_surrogates import CLIP_COV_SCALE, KL_COV_SEL
 from tokenmdp.estimators.kl import KLPenalty, kl_abs, kl_k1, kl_k2, kl_k3, kl_k3_plus
 from tokenmdp.estimators.soft_surrogates import SAPO, EntropyBonus
 from tokenmdp.estimators.surrogates import CISPO, MiniRL, PPOClip, Reinforce, TokenRatio
-from tokenmdp.estimators.trust_region_masks import DPPO, _xlogy, _xlogy_
+from tokenmdp.estimators.trust_region_masks import DPPO, _binary_kl_constant, _binary_kl_from
 
 INF = float("inf")
 
@@ -95,8 +97,11 @@ def _reinforce(part, x, batch, c, request):
 def _token_ratio(part, x, batch, c, request):
     """``r Â``: value ``Σ wA r``, coefficient ``wA r ok``."""
     wA = scaled(c.wA, request)
-    log_ratio, ratio = capped_ratio(x, c.old)
-    coef = below_cap(log_ratio, reuse=True).mul_(ratio).mul_(wA) if request.grad else None
+    log_ratio, ratio, capped = capped_ratio(x, c.old)
+    coef = None
+    if request.grad:
+        coef = (below_cap(log_ratio, reuse=True).mul_(ratio).mul_(wA) if capped
+                else ratio * wA)
     return FusedTerms(dot(wA, ratio), coef, None, ratio)
 
 
@@ -115,13 +120,16 @@ def _ppo_constants(part, batch, weight_RC, scale_RC=None):
 def _ppo(part, x, batch, c, request):
     """``Â clamp(r, lo, hi)``: value ``Σ wA clamp(r)``, coefficient ``wA M r ok``."""
     wA = scaled(c.wA, request)
-    log_ratio, ratio = capped_ratio(x, c.old)
+    log_ratio, ratio, capped = capped_ratio(x, c.old)
     clamped = torch.clamp(ratio, c.lo, c.hi)
     total = dot(wA, clamped)
     keep = indicator(torch.eq, clamped, ratio, out=clamped)
     clipped = _clipped_bool(keep) if request.metrics else None
-    coef = keep.mul_(below_cap(log_ratio, reuse=True)).mul_(ratio).mul_(wA) if request.grad \
-        else None
+    coef = None
+    if request.grad:
+        if capped:
+            keep.mul_(below_cap(log_ratio, reuse=True))
+        coef = keep.mul_(ratio).mul_(wA)
     return FusedTerms(total, coef, clipped, ratio)
 
 
@@ -216,7 +224,7 @@ def _sapo_constants(part, batch, weight_RC):
 
 def _sapo(part, x, batch, c, request):
     """``(4/τ) σ(τ(r-1)) Â``: coefficient ``4 σ (1-σ) r Â ok`` times the weight."""
-    log_ratio, ratio = capped_ratio(x, c.old)
+    log_ratio, ratio, capped = capped_ratio(x, c.old)
     gate = (ratio - 1).mul_(c.tau).sigmoid_()
     scale = request.scale_RC
     value_weight = c.value_weight if scale is None else c.value_weight * scale
@@ -224,7 +232,9 @@ def _sapo(part, x, batch, c, request):
     coef = None
     if request.grad:
         grad_weight = c.grad_weight if scale is None else c.grad_weight * scale
-        coef = torch.rsub(gate, 1).mul_(gate).mul_(ratio).mul_(below_cap(log_ratio, reuse=True))
+        coef = torch.rsub(gate, 1).mul_(gate).mul_(ratio)
+        if capped:
+            coef.mul_(below_cap(log_ratio, reuse=True))
         coef = coef.mul_(grad_weight)
     return FusedTerms(total, coef, None, ratio)
 
@@ -235,16 +245,20 @@ register(SAPO, _sapo_constants, _sapo)
 # ---------------------------------------------------------------------- DPPO
 class Divergence(NamedTuple):
     """DPPO's step constants: ``wA``, ``log π_old``, ``p_old`` and the bounds of its mask
-    (``tv``: the clamp bounds of ``p - p_old``; ``kl``: the threshold, the direction sign and
-    ``xlogy(q_old, q_old)``, ``q_old = 1 - p_old``)."""
+    (``tv``: the clamp bounds of ``p - p_old``; ``kl``: the threshold, the direction sign
+    ``b = ±1`` and ``b p_old``, ``q_old = 1 - p_old``, ``1{q_old = 0}`` and the binary KL's
+    constant part; ``1/p_old`` when finite and positive everywhere)."""
 
     wA: torch.Tensor
     old: torch.Tensor
     p_old: torch.Tensor
     a: torch.Tensor
     b: torch.Tensor
-    q_old: torch.Tensor | None
-    x_q_old: torch.Tensor | None
+    b_p_old: torch.Tensor | None = None
+    q_old: torch.Tensor | None = None
+    q_old_zero: torch.Tensor | None = None
+    kl_constant: torch.Tensor | None = None
+    inv_p_old: torch.Tensor | None = None
 
 
 def _dppo_constants(part, batch, weight_RC):
@@ -252,16 +266,18 @@ def _dppo_constants(part, batch, weight_RC):
     scalar = A.new_tensor
     pos = A > 0
     p_old = old.exp()
-    q_old = x_q_old = None
+    inv = torch.exp(-old)
+    inv = inv if bool(torch.isfinite(inv).all()) and bool((inv > 0).all()) else None
     if part.divergence == "tv":   # keep iff p - p_old <= δ_high (Â > 0), >= -δ_low (Â <= 0)
         a = torch.where(pos, scalar(-INF), -scalar(part.delta_low))
         b = torch.where(pos, scalar(part.delta_high), scalar(INF))
-    else:                          # drop iff D > threshold and p moved the advantage's way
-        a = torch.where(pos, scalar(part.delta_high), scalar(part.delta_low))
-        b = torch.where(pos, scalar(1.0), scalar(-1.0))
-        q_old = -torch.expm1(old)
-        x_q_old = _xlogy(q_old, q_old)
-    return Divergence(weight_RC * A, old, p_old, a, b, q_old, x_q_old)
+        return Divergence(weight_RC * A, old, p_old, a, b, inv_p_old=inv)
+    # drop iff D > threshold and p moved the advantage's way: b p > b p_old, b = ±1
+    a = torch.where(pos, scalar(part.delta_high), scalar(part.delta_low))
+    b = torch.where(pos, scalar(1.0), scalar(-1.0))
+    q_old = -torch.expm1(old)
+    return Divergence(weight_RC * A, old, p_old, a, b, b * p_old, q_old,
+                      (q_old == 0).to(q_old.dtype), _binary_kl_constant(p_old, old, q_old), inv)
 
 
 def _dppo(part, x, batch, c, request):
@@ -269,22 +285,34 @@ def _dppo(part, x, batch, c, request):
     :func:`~tokenmdp.estimators.dppo_keep_mask`: coefficient ``wA M min(r, C)``."""
     wA = scaled(c.wA, request)
     p = x.exp()
+    ratio = None
+    if c.inv_p_old is not None and not request.metrics:
+        # r = p / p_old from the p at hand (within a few ulps of exp(log π - log π_old), the
+        # weight of the gradient only: the metrics read the exact ratio), unless some ratio
+        # comes near the cap e^20 (or p overflowed)
+        ratio = torch.mul(p, c.inv_p_old)
+        if not bool(ratio.max() < _RATIO_BOUND):
+            ratio = None
     if part.divergence == "tv":
         diff = p.sub_(c.p_old)
         keep = indicator(torch.eq, torch.clamp(diff, c.a, c.b), diff)
     else:
-        q = torch.expm1(x).neg_()
-        d = (c.old - x).mul_(c.p_old).add_(c.x_q_old).sub_(_xlogy_(c.q_old, q))
+        # q + 1 where q_old = 0 (there q_old log q is 0 either way): off the loss tokens x = 0
+        # makes q = 0, and a log over a vector holding 0 takes a slow path for all of it
+        q = torch.expm1(x).neg_().add_(c.q_old_zero)
+        d = _binary_kl_from(c.kl_constant, c.p_old, x, c.q_old, q)
         over = indicator(torch.gt, d, c.a, out=d)
-        moved = indicator(torch.gt, p.sub_(c.p_old).mul_(c.b), 0.0, out=p)
-        keep = over.mul_(moved).neg_().add_(1)
-    ratio = ratio_only(x, c.old)
+        still = indicator(torch.le, p.mul_(c.b), c.b_p_old, out=p)   # 1 - moved
+        keep = indicator(torch.le, over, still, out=over)           # 1 - over · moved
+    if ratio is None:
+        ratio = ratio_only(x, c.old)
     weight = ratio if part.cap is None else ratio.clamp(max=part.cap)
     clipped = _clipped_bool(keep) if request.metrics else None
     coef = keep.mul_(weight).mul_(wA)
     return FusedTerms(dot(coef, x), coef if request.grad else None, clipped, ratio)
 
 
+_RATIO_BOUND = 0.5 * math.exp(MAX_LOG_RATIO)
 register(DPPO, _dppo_constants, _dppo)
 
 
@@ -309,12 +337,15 @@ def _kl_cov(part, x, batch, c, request):
     """``r Â - β m |log r|``: coefficient ``wA r ok - weight β m sign(log r)``."""
     wA = scaled(c.wA, request)
     penalty_weight = scaled(c.penalty_weight, request)
-    log_ratio, ratio = capped_ratio(x, c.old)
+    log_ratio, ratio, capped = capped_ratio(x, c.old)
     total = dot(wA, ratio) + dot(penalty_weight, log_ratio.abs())
     coef = None
     if request.grad:
         coef = torch.sign(log_ratio).mul_(penalty_weight)
-        coef += below_cap(log_ratio, reuse=True).mul_(ratio).mul_(wA)
+        if capped:
+            coef += below_cap(log_ratio, reuse=True).mul_(ratio).mul_(wA)
+        else:
+            coef += ratio * wA
     clipped = batch.token_extras[KL_COV_SELECTED] > 0 if request.metrics else None
     return FusedTerms(total, coef, clipped, ratio)
 
@@ -355,7 +386,9 @@ def _entropy(part, x, batch, c, request):
     total = terms.total + dot(bonus_weight, value)
     coef = None
     if request.grad:
-        coef = value.mul_(below_cap(log_ratio, reuse=True)).mul_(bonus_weight).add_(terms.coef_RC)
+        if capped_anywhere(log_ratio):
+            value.mul_(below_cap(log_ratio, reuse=True))
+        coef = value.mul_(bonus_weight).add_(terms.coef_RC)
     return terms._replace(total=total, coef_RC=coef)
 
 
@@ -385,6 +418,9 @@ def _k2(x, ref, grad):
 
 def _k3(x, ref, grad):
     log_r = ref - x
+    if not capped_anywhere(log_r):   # no clamp; the value written over log r
+        r_minus_1 = torch.expm1(log_r)
+        return torch.sub(r_minus_1, log_r, out=log_r), r_minus_1.neg_() if grad else None
     r_minus_1 = log_r.clamp(max=MAX_LOG_RATIO).expm1_()
     return r_minus_1 - log_r, _k3_derivative(log_r, r_minus_1) if grad else None
 

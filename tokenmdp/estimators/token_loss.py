@@ -112,7 +112,8 @@ def _fused_loss(logprobs_RC, batch, estimator, constants, metrics):
     plan = constants.plan
     grad = logprobs_RC.requires_grad and torch.is_grad_enabled()
     with torch.no_grad():
-        x = sanitized(logprobs_RC, batch.loss_mask, plan.mask_f_RC)
+        # the metrics read x everywhere: they need the zeros off the loss tokens
+        x = sanitized(logprobs_RC, batch.loss_mask, plan.mask_f_RC, raw_ok=not metrics)
         request = Request(grad, metrics)
         terms = plan.surrogate(x, batch, request)
         total, coef = terms.total, terms.coef_RC

@@ -59,6 +59,20 @@ def _xlogy_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return y.log_().clamp_(-big, big).mul_(x)
 
 
+def _binary_kl_constant(p_old: torch.Tensor, logp_old: torch.Tensor, q_old: torch.Tensor
+                       ) -> torch.Tensor:
+    """``p_old log p_old + q_old log q_old`` (``q_old = 1 - p_old``): the part of the binary KL
+    that does not depend on ``p``."""
+    return p_old * logp_old + _xlogy(q_old, q_old)
+
+
+def _binary_kl_from(constant: torch.Tensor, p_old: torch.Tensor, logp: torch.Tensor,
+                   q_old: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``D = constant - p_old log p - q_old log q``, the binary KL of ``(p_old, q_old)`` from
+    ``(p, q)``, with ``q`` overwritten (the one formula of DPPO's mask on both loss paths)."""
+    return torch.addcmul(constant, p_old, logp, value=-1).sub_(_xlogy_(q_old, q))
+
+
 def dppo_keep_mask(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
                    advantages_RC: torch.Tensor, *, divergence: str, delta_low: float,
                    delta_high: float) -> torch.Tensor:
@@ -101,7 +115,8 @@ def dppo_keep_mask(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
             up, down = p - p_old > delta_high, p - p_old < -delta_low
         else:
             q, q_old = -torch.expm1(logp), -torch.expm1(logp_old)     # 1 - p, 1 - p_old
-            d = p_old * (logp_old - logp) + _xlogy(q_old, q_old) - _xlogy(q_old, q)
+            d = _binary_kl_from(_binary_kl_constant(p_old, logp_old, q_old), p_old, logp, q_old,
+                               q)
             up, down = (d > delta_high) & (p > p_old), (d > delta_low) & (p < p_old)
         pos = advantages_RC > 0
         return ~torch.where(pos, up, down)
