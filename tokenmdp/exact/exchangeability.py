@@ -10,6 +10,12 @@ multiset ``M`` of ``G`` types holds in each slot a new response of the slot's ty
 ``n · C(K+G−2, G−1)`` of one batch per term, against the enumeration's ``C(n+G−1, G)``, for
 ``n`` responses and ``K`` types).
 
+The types are the effective rewards, the counted tokens only where a part reads the other
+samples' counts (:func:`others_counts_matter`: a token-mean normalizer, a length-aware advantage,
+a step-wide ``prepare_step``), and each part's ``exchangeable_type``. Only the slots that hold a
+new response go through the loss and its backward pass; the padding slots (a type's responses
+run out) are prepared with their batch and left out after (a micro-batch of the prepared step).
+
 Here: the types of every response, :func:`exchangeability_cost` (the number of batches, which
 :func:`~tokenmdp.exact.moments` compares with the enumeration's count) and the moments
 themselves. The types and multisets come from :mod:`~tokenmdp.exact.group_draws`;
