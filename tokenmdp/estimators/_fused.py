@@ -17,7 +17,8 @@ weight_RC)`` builds the part's step constants from its signed loss weight (the l
 ``Σ weight · term``), once per (batch, estimator); ``kernel(part, x_RC, batch, constants,
 request)`` returns :class:`FusedTerms`. A part without a kernel (a subclass, a user's part, a
 custom KL estimator) makes the whole estimator take the autograd path. The kernels live in
-:mod:`~tokenmdp.estimators._fused_surrogates` and :mod:`~tokenmdp.estimators._fused_sequence`;
+:mod:`~tokenmdp.estimators._fused_surrogates`, :mod:`~tokenmdp.estimators._fused_kl` and
+:mod:`~tokenmdp.estimators._fused_sequence`;
 ``tests/estimators/test_fused_loss.py`` compares each with the autograd path and with an
 independent formula.
 """
