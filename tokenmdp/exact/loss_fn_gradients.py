@@ -34,9 +34,10 @@ from torch import nn
 
 from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
+from tokenmdp.exact._stacked import _stacked_batch
 from tokenmdp.exact.group_draws import filter_equal_rewards
 from tokenmdp.exact.mdp import TokenMDP
-from tokenmdp.exact.step_gradients import PolicyTables, StepGradients, _stacked_batch
+from tokenmdp.exact.step_gradients import PolicyTables, StepGradients
 
 __all__ = ["LossFnGradients", "count_ordered_draws", "ordered_draws"]
 
