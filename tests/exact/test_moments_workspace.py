@@ -25,9 +25,9 @@ from tokenmdp.exact._world_tables import WorldTables
 from tokenmdp.exact.exchangeability import others_counts_matter, reduces_to_types
 from tokenmdp.exact.group_draws import _row_ids
 from tokenmdp.exact.moments import MomentsWorkspace, moments
-from tokenmdp.exact.rewards import ExactMatch, LengthReward
+from tokenmdp.exact.rewards import ExactMatch, LengthReward, Parity, TokenCount
 from tokenmdp.exact.step_gradients import StepGradients
-from tokenmdp.testing.strategies import mdps
+from tokenmdp.testing.strategies import estimators, mdps
 
 from .conftest import make_policy
 
@@ -91,6 +91,17 @@ def test_dropping_the_counts_where_they_matter_is_caught(scenario, monkeypatch):
     assert float((broken.mean - exact.mean).abs().max()) > BROKEN_GAP
 
 
+@pytest.mark.parametrize("name", ["reinforce_pp_baseline", "opo"])
+@pytest.mark.parametrize("aggregation", ["SEQUENCE_MEAN_TOKEN_SUM", "CONSTANT"])
+def test_a_length_aware_advantage_keeps_the_counts(scenario, name, aggregation):
+    """Its baseline reads the others' lengths even where the aggregation does not."""
+    mdp, pi, kw = scenario
+    est = E.get(name).replace(aggregation=E.Aggregation[aggregation])
+    assert others_counts_matter(est)
+    assert_same(moments(mdp, pi, est, group_size=3, method="exchangeability", **kw),
+                moments(mdp, pi, est, group_size=3, method="enumeration", **kw), tol=1e-11)
+
+
 def test_which_estimators_keep_the_counts():
     assert not others_counts_matter(E.get("grpo"))
     assert not others_counts_matter(E.get("grpo_rs_seq"))     # its rejects leave |y_i| only
@@ -116,6 +127,23 @@ def test_reduced_types_on_generated_mdps(mdp, name, G, seed):
         full_types(m)
         full = moments(mdp, pi, est, group_size=G, method="exchangeability", **kw)
     assert_same(fast, full)
+    assert_same(fast, exact, tol=1e-11)
+
+
+@settings(max_examples=40, deadline=None)
+@given(mdps(max_vocab_size=3, max_len=3, max_prompts=2),
+       st.sampled_from([Parity(1), TokenCount(0), ExactMatch((0, 1))]),
+       estimators(names=TYPED, aggregations=tuple(E.Aggregation)),
+       st.sampled_from(tuple(SequenceCount)), st.integers(0, 1000))
+def test_reduced_types_under_any_aggregation(mdp, reward, est, count, seed):
+    """The rule that drops the counts, on recombined parts (not only the registry's), with
+    rewards that tie across lengths (so that types with and without the counts differ)."""
+    mdp = TokenMDP(mdp.vocab_size, mdp.max_len, reward, prompts=mdp.prompts,
+                   prompt_probs=mdp.prompt_probs.tolist())
+    pi, kw = world(mdp, seed)
+    est = est.replace(sequence_count=count)
+    exact = moments(mdp, pi, est, group_size=3, method="enumeration", **kw)
+    fast = moments(mdp, pi, est, group_size=3, method="exchangeability", **kw)
     assert_same(fast, exact, tol=1e-11)
 
 
