@@ -1,4 +1,5 @@
-"""Fused kernels of the sequence-coupled surrogates: GMPO, OPSM, per-decision IS (not public API).
+"""Fused kernels of the sequence-coupled surrogates: sequence IS, GSPO, GMPO, OPSM, per-decision
+IS (not public API).
 
 A token's gradient under these depends on the other tokens of its sequence (a geometric mean,
 a sequence mask, a prefix product), so each kernel reduces over sequences. The reductions are
@@ -35,7 +36,9 @@ from tokenmdp.estimators._fused import (
     register,
     scaled,
 )
+from tokenmdp.estimators._fused_surrogates import ppo_bounds
 from tokenmdp.estimators.per_decision import PerDecisionRatio
+from tokenmdp.estimators.sequence_surrogates import GSPO, GSPOToken, SequenceRatio
 from tokenmdp.estimators.soft_surrogates import GMPO
 from tokenmdp.estimators.trust_region_masks import OffPolicySequenceMask
 
@@ -215,3 +218,97 @@ def _per_decision(part, x, batch, c, request):
 
 
 register(PerDecisionRatio, _per_decision_constants, _per_decision)
+
+
+# ---------------------------------------------------------------------- GSPO, GSPO-token
+class SequenceClipped(NamedTuple):
+    """GSPO's step constants: the segments, ``log π_old``, ``wA`` and the PPO clamp bounds of
+    the sequence ratio at each token (flat ``[N]``)."""
+
+    seg: Segments
+    old: torch.Tensor
+    wA: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+
+def _gspo_constants(part, batch, weight_RC):
+    if batch.loss_mask.numel() == 0:
+        return None
+    lo, hi = ppo_bounds(batch.advantage, part.eps_low, part.eps_high)
+    return SequenceClipped(segments(batch), batch.old_logprob.reshape(-1),
+                           (weight_RC * batch.advantage).reshape(-1), lo.reshape(-1),
+                           hi.reshape(-1))
+
+
+def _gspo(part, x, batch, c, request):
+    """``Â clamp(s_i, lo, hi)`` with ``s_i = exp(min(mean_t log r_t, 20))``: value
+    ``Σ wA clamp(s_i)``; GSPO's coefficient ``(s_i / |y_i|) 1{log s_i <= 20} Σ_{t'∈i} wA M``
+    on each loss token (``M = 1{clamp(s_i) = s_i}``), GSPO-token's ``wA M s_i`` (its ``s_i``
+    detached)."""
+    seg = c.seg
+    wA = c.wA if request.scale_RC is None else c.wA * request.scale_RC.reshape(-1)
+    log_ratio = torch.sub(x.reshape(-1), c.old).mul_(seg.mask_f)
+    log_s = seg.sum(log_ratio).div_(seg.count_S)
+    s = log_s.clamp(max=MAX_LOG_RATIO).exp_()
+    s_t = seg.to_tokens(s)
+    clamped = torch.clamp(s_t, c.lo, c.hi)
+    total = torch.dot(wA, clamped)
+    keep = indicator(torch.eq, clamped, s_t, out=clamped)
+    clipped = (keep == 0).view_as(x) if request.metrics else None
+    coef = None
+    if request.grad:
+        if isinstance(part, GSPOToken):
+            coef = keep.mul_(s_t).mul_(wA)
+        else:
+            coef_S = seg.sum(keep.mul_(wA)).mul_(s).div_(seg.count_S)
+            coef = seg.to_tokens(coef_S.mul_(below_cap(log_s, reuse=True))).mul_(seg.mask_f)
+        coef = coef.view_as(x)
+    return FusedTerms(total, coef, clipped)
+
+
+register(GSPO, _gspo_constants, _gspo)
+register(GSPOToken, _gspo_constants, _gspo)
+
+
+# ---------------------------------------------------------------------- sequence IS
+class Summed(NamedTuple):
+    """Sequence IS's step constants: the segments, ``log π_old`` and ``WA_s / |y_s|`` with
+    ``WA_s = Σ_{t∈s} weight Â``."""
+
+    seg: Segments
+    old: torch.Tensor
+    weight_A: torch.Tensor
+    wA_per_token_S: torch.Tensor
+
+
+def _sequence_ratio_constants(part, batch, weight_RC):
+    if batch.loss_mask.numel() == 0:
+        return None
+    seg = segments(batch)
+    weight_A = (weight_RC * batch.advantage).reshape(-1)
+    return Summed(seg, batch.old_logprob.reshape(-1), weight_A,
+                  seg.sum(weight_A).div_(seg.count_S))
+
+
+def _sequence_ratio(part, x, batch, c, request):
+    """``ρ(y) Â / |y|``, ``ρ = exp(min(Σ_t log r_t, 20))``: value ``Σ_s ρ_s WA_s / |y_s|``,
+    coefficient ``ρ_s 1{log ρ_s <= 20} WA_s / |y_s|`` on each loss token."""
+    seg = c.seg
+    per_token_S = c.wA_per_token_S if request.scale_RC is None else \
+        seg.sum(c.weight_A * request.scale_RC.reshape(-1)).div_(seg.count_S)
+    log_rho = seg.sum(torch.sub(x.reshape(-1), c.old).mul_(seg.mask_f))
+    rho = log_rho.clamp(max=MAX_LOG_RATIO).exp_()
+    total = torch.dot(rho, per_token_S)
+    clipped = None
+    if request.metrics:
+        clipped = (seg.to_tokens((log_rho > MAX_LOG_RATIO).to(x.dtype)).view_as(x) > 0) \
+            & batch.loss_mask
+    coef = None
+    if request.grad:
+        coef_S = rho.mul_(per_token_S).mul_(below_cap(log_rho, reuse=True))
+        coef = seg.to_tokens(coef_S).mul_(seg.mask_f).view_as(x)
+    return FusedTerms(total, coef, clipped)
+
+
+register(SequenceRatio, _sequence_ratio_constants, _sequence_ratio)
