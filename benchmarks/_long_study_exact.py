@@ -40,7 +40,9 @@ VOCAB = 17
 """The trainer's tokenizer: 10 digits, ``+ = >``, ``a b``, padding and EOS (``V = 17``)."""
 ESTIMATORS = ("minirl", "minirl_no_is", "minirl_len_norm")
 TRUNCATION = 5.0
-"""MiniRL's cap of the token weight ``π_old/μ``."""
+"""MiniRL's cap of the token weight ``π_old/μ`` (and of the sequence weight of ``sequence_tis``)."""
+FRESH_ESTIMATORS = ("minirl", "minirl_no_is", "sequence_tis")
+"""What :func:`fresh_noise_moments` samples (``sequence_tis``: MiniRL, sequence-level weight)."""
 
 
 def margin_for_entropy(entropy: float, vocab: int = VOCAB) -> float:
@@ -144,3 +146,116 @@ def exact_markdown_table(rows: list[dict]) -> str:
         lines.append(f"| {r['L']} | {r['sigma']:g} | {r['kl_fresh']:.4f} | {r['J_pi']:.3f} → "
                      f"{r['J_mu']:.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def fresh_noise_moments(length: int, sigma: float, estimator: str, *, weights: str = "fresh",
+                        entropy: float = 0.08, group_size: int = 4, groups: int = 20_000,
+                        chunk: int = 100, seed: int = 0) -> dict:
+    """Monte Carlo over groups of the trainer's engine on :func:`trainer_world`: the cosine,
+    relative progress and signal-to-noise ratio of ``estimator``'s gradient (``minirl`` or
+    ``minirl_no_is``, on-policy, ``θ = θ_old``) with the noise drawn fresh at every token;
+    ``sequence_tis`` is MiniRL with the sequence-level weight ``min(Π_t π/μ_t, 5)`` on every token
+    of a response instead of the token-level one.
+
+    ``weights="fresh"`` weighs a token by ``min(π/μ_ε, 5)`` (the trainer's MiniRL: the realized
+    ``μ_ε`` of that draw); ``"marginal"`` by ``π/μ̄`` (the lattice's model of the same engine,
+    whose exact moments :func:`exact_row` computes: the check of this sampler). The gradient of
+    one group, with respect to the tabular logits: ``(1/G) Σ_i Σ_t φ_it (e_{a_it} − π(·|t, z_it))``
+    with ``φ_it = w_it (R_i − mean_g R)`` (MiniRL's surrogate at ratio 1, sequence-mean of token
+    sums). ``‖E ĝ‖²`` is the unbiased ``‖ḡ‖² − tr Cov / N``.
+    """
+    if estimator not in FRESH_ESTIMATORS or weights not in ("fresh", "marginal"):
+        raise ValueError(f"estimator, weights: got {estimator!r}, {weights!r}")
+    margin = margin_for_entropy(entropy)
+    mdp, pi, mu, _ = trainer_world(length, margin, sigma, noise="fresh")
+    T, K, V = mdp.shape
+    table = torch.as_tensor(mdp.automaton.transitions, dtype=torch.long)
+    eos_reward = torch.as_tensor(mdp.automaton.eos_reward, dtype=torch.float64)
+    logits = pi.logits.detach()
+    probs = logits.softmax(-1)
+    log_mu_bar = mu.logprobs().detach()
+    grad_j = L.gradient(mdp, pi).detach().reshape(T * K, V)
+    gen = torch.Generator().manual_seed(seed)
+    totals, sq_norms = [], []
+    for start in range(0, groups, chunk):
+        B = min(chunk, groups - start)
+        n = B * group_size
+        z = torch.full((n,), mdp.automaton.start, dtype=torch.long)
+        alive = torch.ones(n, dtype=torch.bool)
+        reward = torch.zeros(n, dtype=torch.float64)
+        rows, toks, ws, seq, logws = [], [], [], [], []
+        for t in range(T):
+            idx = alive.nonzero().squeeze(1)
+            if not len(idx):
+                break
+            zt = z[idx]
+            if weights == "fresh":
+                noisy = logits[t, zt] + sigma * torch.randn(len(idx), V, generator=gen,
+                                                            dtype=torch.float64)
+                log_q = torch.log_softmax(noisy, -1)
+            else:
+                log_q = log_mu_bar[t, zt]
+            a = torch.multinomial(log_q.exp(), 1, generator=gen).squeeze(1)
+            log_w = torch.log_softmax(logits[t, zt], -1).gather(1, a[:, None]).squeeze(1) - \
+                log_q.gather(1, a[:, None]).squeeze(1)
+            w = log_w.exp()
+            logws.append(log_w)
+            if weights == "fresh":
+                w = w.clamp(max=TRUNCATION)
+            rows.append(t * K + zt)
+            toks.append(a)
+            ws.append(w)
+            seq.append(idx)
+            eos = a == V - 1
+            reward[idx[eos]] = eos_reward[zt[eos]]
+            alive[idx[eos]] = False
+            cont = ~eos
+            z[idx[cont]] = table[zt[cont], a[cont]]
+        adv = reward.view(B, group_size) - reward.view(B, group_size).mean(1, keepdim=True)
+        adv = adv.reshape(n)
+        node, tok, w, who = (torch.cat(x) for x in (rows, toks, ws, seq))
+        if estimator == "sequence_tis":  # every token of response i weighed by min(Π_t w_it, 5)
+            log_seq = torch.zeros(n, dtype=torch.float64).index_add_(0, who, torch.cat(logws))
+            w = log_seq.clamp(max=math.log(TRUNCATION)).exp()[who]
+        phi = (torch.ones_like(w) if estimator == "minirl_no_is" else w) * adv[who] / group_size
+        contrib = -probs.reshape(T * K, V)[node] * phi[:, None]
+        contrib[torch.arange(len(tok)), tok] += phi
+        buf = torch.zeros(B * T * K, V, dtype=torch.float64)
+        buf.index_add_(0, (who // group_size) * (T * K) + node, contrib)
+        buf = buf.view(B, T * K, V)
+        totals.append(buf.sum(0))
+        sq_norms.append(float((buf ** 2).sum()))
+    # the statistics from every chunk, and leaving each block of chunks out (jackknife SE)
+    totals, sq_norms = torch.stack(totals), torch.tensor(sq_norms, dtype=torch.float64)
+    sizes = torch.tensor([min(chunk, groups - s) for s in range(0, groups, chunk)],
+                         dtype=torch.float64)
+    full = _statistics(totals.sum(0), float(sq_norms.sum()), float(sizes.sum()), grad_j)
+    blocks = torch.arange(len(sizes)) % JACKKNIFE_BLOCKS
+    leave = [_statistics(totals[blocks != b].sum(0), float(sq_norms[blocks != b].sum()),
+                         float(sizes[blocks != b].sum()), grad_j)
+             for b in range(min(JACKKNIFE_BLOCKS, len(sizes))) if (blocks != b).any()]
+    out = {"L": length, "sigma": sigma, "estimator": estimator, "weights": weights,
+           "groups": groups, **full}
+    k = len(leave)
+    for key in full:
+        vals = np.array([x[key] for x in leave])
+        out[f"{key}_se"] = (float(np.sqrt((k - 1) / k * ((vals - vals.mean()) ** 2).sum()))
+                            if k > 1 else float("nan"))
+    return out
+
+
+JACKKNIFE_BLOCKS = 10
+"""Blocks of chunks left out in turn for the Monte Carlo standard errors."""
+
+
+def _statistics(total: torch.Tensor, sq_norm: float, n: float, grad_j: torch.Tensor) -> dict:
+    """Cosine, relative progress and SNR from the sum and square-norm sum of ``n`` group
+    gradients (NaN where there is no signal: every reward of every group equal)."""
+    mean = total / n
+    tr_cov = (sq_norm / n - float((mean ** 2).sum())) * n / max(n - 1, 1)
+    if tr_cov <= 0 or float(mean.norm()) == 0:
+        return {"cosine": float("nan"), "progress": float("nan"), "snr": float("nan")}
+    signal = float((mean ** 2).sum()) - tr_cov / n
+    return {"cosine": float((mean * grad_j).sum() / (mean.norm() * grad_j.norm())),
+            "progress": float((mean * grad_j).sum() / (grad_j * grad_j).sum()),
+            "snr": signal / tr_cov}

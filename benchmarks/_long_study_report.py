@@ -72,7 +72,10 @@ def exact_cell(exact: dict, spec: dict) -> str:
     if row is None or spec["minibatches"] != 1 or spec["estimator"] not in row:
         return "-"
     e = row[spec["estimator"]]
-    return f"cos {e['cosine']:.3f}, progress {e['progress']:.2f}, SNR {e['snr']:.1e}"
+    text = f"cos {e['cosine']:.3f}, progress {e['progress']:.2f}, SNR {e['snr']:.1e}"
+    if "fresh" in e:
+        text += f"; fresh noise: SNR {e['fresh']['snr']:.1e}"
+    return text
 
 
 def write_tables(out: Path, results: list[dict], header: str, exact: dict) -> str:

@@ -23,7 +23,7 @@ CONFIGS = {
     "cpu": dict(
         model=MODEL_CPU, device="cpu", precision="fp8", seeds=(0, 1, 2), workers=2,
         length=64, sigma=1.0, lengths=(16, 64), sigmas=(0.0, 1.0, 2.0), room_sigmas=(0.25, 1.0),
-        room_steps=120,
+        room_steps=120, fresh_groups=2000,
         sft=dict(prompts_per_step=32, lr=1e-3, warmup_steps=50, target=0.5, check=10,
                  max_steps=1500),
         rl=dict(steps=80, prompts_per_step=8, group_size=4, lr=3e-4, eval_every=20,
@@ -32,7 +32,7 @@ CONFIGS = {
         model=dict(d_model=128, n_layers=4, n_heads=4, n_experts=8, top_k=2, expert_hidden=128),
         device="cuda", precision="fp8", seeds=(0, 1, 2), workers=12,
         length=64, sigma=1.0, lengths=(16, 32, 64, 128), sigmas=(0.0, 1.0, 2.0),
-        room_sigmas=(0.25, 1.0), room_steps=150,
+        room_sigmas=(0.25, 1.0), room_steps=150, fresh_groups=8000,
         sft=dict(prompts_per_step=128, lr=1e-3, warmup_steps=50, target=0.5, check=10,
                  max_steps=2000),
         rl=dict(steps=100, prompts_per_step=32, group_size=8, lr=3e-4, eval_every=25,
@@ -41,12 +41,14 @@ CONFIGS = {
         model=dict(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, expert_hidden=32),
         device="cpu", precision="fp8", seeds=(0,), workers=1,
         length=8, sigma=1.0, lengths=(8,), sigmas=(0.0, 1.0), room_sigmas=(0.25,), room_steps=2,
+        fresh_groups=40,
         sft=dict(prompts_per_step=8, lr=1e-3, warmup_steps=2, target=0.3, check=4, max_steps=4),
         rl=dict(steps=2, prompts_per_step=4, group_size=2, lr=3e-4, eval_every=2, eval_size=8)),
 }
 """Sizes per configuration: model, device, engine precision, RL seeds, workers, the main grid's
 length and dial, the phase diagram's lengths and dials, the room group's dials and steps, the
-SFT stage (until ``target`` held-out accuracy) and the RL stage (shared by every run)."""
+groups of the exact world's fresh-noise Monte Carlo, the SFT stage (until ``target`` held-out
+accuracy) and the RL stage (shared by every run)."""
 
 ON_POLICY = ("minirl", "minirl_no_is", "minirl_len_norm")
 MINIBATCHES = (2, 4, 8)

@@ -20,8 +20,18 @@ Timing targets (one thread, ``T = 4096``, ``K = 32``, ``V = 8``): ``J + ∇J`` w
 estimator's exact mean and variance at ``G = 8`` within 10 s; every registry estimator the
 lattice computes exactly within 3 minutes (``--skip-all`` leaves the last out).
 
+4. with ``--trainer-match``, instead: the exact world at the long-answer study's mismatch and
+   length (``benchmarks/_long_study_exact.py``): an exact-match lattice with the trainer's
+   vocabulary and per-token entropy, the engine the marginal of its fresh logit noise; per
+   ``(L, σ)`` the exact cosine, progress along ``∇J`` and signal-to-noise ratio of ``minirl``,
+   ``minirl_no_is`` and ``minirl_len_norm``, and the same by Monte Carlo over groups with the
+   noise drawn fresh per token, as the trainer's engine does (MiniRL's weight then uses that
+   draw's ``μ_ε``).
+
 Usage: ``python benchmarks/lattice.py [--lengths 16 64 256 1024 4096] [--states 32] [--vocab 8]
-[--figure docs/_static/long_responses.png]``.
+[--figure docs/_static/long_responses.png]``; ``python benchmarks/lattice.py --trainer-match
+[--lengths 16 64] [--sigmas 0.1 0.25 0.5 1 2] [--group-size 4] [--groups 4000]
+[--fresh-estimators minirl minirl_no_is sequence_tis] [--skip-exact]``.
 """
 
 from __future__ import annotations
@@ -181,6 +191,28 @@ def figure(path, seq_rows, by_T, by_sigma, fo_rows, sigma, G):
     print(f"\nfigure: {path}")
 
 
+def trainer_match(lengths, sigmas, G, groups, fresh_estimators, skip_exact=False):
+    """4.: exact (marginal engine) and Monte Carlo (fresh noise) at the trainer's mismatch."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _long_study_exact import exact_table, fresh_noise_moments
+
+    if not skip_exact:
+        _, table = exact_table(tuple(lengths), tuple(sigmas), group_size=G)
+        print(f"\n4. the exact world at the trainer's mismatch (G = {G}): cosine / progress / "
+              "SNR\n")
+        print(table)
+    print(f"fresh noise per token, Monte Carlo over {groups} groups (± jackknife SE): "
+          "cosine, progress, SNR")
+    print(f"{'L':>4} {'sigma':>6} {'estimator':>13} {'cosine':>16} {'progress':>16} {'SNR':>20}")
+    for n in lengths:
+        for s in sigmas:
+            for est in fresh_estimators:
+                r = fresh_noise_moments(n, s, est, group_size=G, groups=groups)
+                print(f"{n:>4} {s:>6g} {est:>13} {r['cosine']:>8.4f} ± {r['cosine_se']:<5.4f} "
+                      f"{r['progress']:>8.3f} ± {r['progress_se']:<5.3f} "
+                      f"{r['snr']:>10.2e} ± {r['snr_se']:<8.1e}", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
@@ -198,7 +230,25 @@ def main(argv=None) -> int:
     p.add_argument("--skip-all", action="store_true",
                    help="leave out the timing of every exactly computable registry estimator")
     p.add_argument("--figure", default=str(ROOT / "docs" / "_static" / "long_responses.png"))
+    p.add_argument("--trainer-match", action="store_true",
+                   help="only 4.: the exact world at the long-answer study's mismatch and length")
+    p.add_argument("--groups", type=int, default=8000,
+                   help="groups of the fresh-noise Monte Carlo of --trainer-match")
+    p.add_argument("--fresh-estimators", nargs="+", default=["minirl", "minirl_no_is"],
+                   choices=["minirl", "minirl_no_is", "sequence_tis"],
+                   help="the estimators of --trainer-match's fresh-noise Monte Carlo")
+    p.add_argument("--skip-exact", action="store_true",
+                   help="--trainer-match: only the fresh-noise Monte Carlo")
     a = p.parse_args(argv)
+    if a.trainer_match:
+        if a.groups < 20 or min(a.lengths) < 1 or min(a.sigmas) < 0:
+            print("lattice.py: --groups must be >= 20, --lengths >= 1, --sigmas >= 0",
+                  file=sys.stderr)
+            return 2
+        torch.set_num_threads(1)
+        trainer_match(a.lengths, a.sigmas, a.group_size, a.groups, a.fresh_estimators,
+                      a.skip_exact)
+        return 0
     if a.states < 2 or a.vocab < 2 or min(a.lengths) < 1:
         print("lattice.py: --states and --vocab must be >= 2, --lengths >= 1", file=sys.stderr)
         return 2

@@ -140,14 +140,30 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def exact_predictions(args, specs: list[dict]) -> tuple[dict, str]:
-    """The exact world at every on-policy (L, σ) of ``specs`` (:mod:`_long_study_exact`)."""
+    """The exact world at every on-policy (L, σ) of ``specs`` (:mod:`_long_study_exact`): the
+    exact lattice moments (marginal engine), and for ``minirl`` / ``minirl_no_is`` the Monte Carlo
+    with the noise fresh per token as the trainer draws it (``fresh_groups`` groups)."""
     if args.no_exact:
         return {}, ""
-    from _long_study_exact import exact_markdown_table, exact_row
+    from _long_study_exact import exact_markdown_table, exact_row, fresh_noise_moments
 
+    G = args.size["rl"]["group_size"]
     cells = sorted({(s["length"], s["sigma"]) for s in specs if s["minibatches"] == 1})
-    rows = [exact_row(n, s, group_size=args.size["rl"]["group_size"]) for n, s in cells]
-    return {(r["L"], r["sigma"]): r for r in rows}, exact_markdown(rows, exact_markdown_table(rows))
+    rows = [exact_row(n, s, group_size=G) for n, s in cells]
+    lines = ["", f"With the noise fresh per token (Monte Carlo, {args.size['fresh_groups']} groups "
+             "of the trainer's G, ± jackknife SE): cosine / progress / SNR", "",
+             "| L | σ | minirl (weight min(π/μ_ε, 5)) | minirl_no_is |", "|---|---|---|---|"]
+    for row in rows:
+        cells_md = []
+        for est in ("minirl", "minirl_no_is"):
+            f = fresh_noise_moments(row["L"], row["sigma"], est, group_size=G,
+                                    groups=args.size["fresh_groups"])
+            row[est]["fresh"] = f
+            cells_md.append(f"{f['cosine']:.3f} ± {f['cosine_se']:.3f} / {f['progress']:.3f} ± "
+                            f"{f['progress_se']:.3f} / {f['snr']:.2e} ± {f['snr_se']:.1e}")
+        lines.append(f"| {row['L']} | {row['sigma']:g} | " + " | ".join(cells_md) + " |")
+    text = exact_markdown(rows, exact_markdown_table(rows)) + "\n".join(lines) + "\n"
+    return {(r["L"], r["sigma"]): r for r in rows}, text
 
 
 def main(argv=None) -> list[dict]:
