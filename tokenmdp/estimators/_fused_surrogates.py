@@ -36,7 +36,7 @@ from tokenmdp.estimators._fused import (
 from tokenmdp.estimators.covariance_surrogates import CLIP_COV_SCALE, KL_COV_SELECTED, ClipCov, KLCov
 from tokenmdp.estimators.soft_surrogates import SAPO, EntropyBonus
 from tokenmdp.estimators.surrogates import CISPO, MiniRL, PPOClip, Reinforce, TokenRatio
-from tokenmdp.estimators.trust_region_masks import DPPO, _binary_kl_constant, _binary_kl_from
+from tokenmdp.estimators.trust_region_masks import DPPO, _binary_kl_constant, _binary_kl_finish
 
 INF = float("inf")
 
@@ -244,16 +244,15 @@ register(SAPO, _sapo_constants, _sapo)
 # ---------------------------------------------------------------------- DPPO
 class Divergence(NamedTuple):
     """DPPO's step constants: ``wA``, ``log π_old``, ``p_old`` and the bounds of its mask
-    (``tv``: the clamp bounds of ``p - p_old``; ``kl``: the threshold, the direction sign
-    ``b = ±1`` and ``b p_old``, ``q_old = 1 - p_old``, ``1{q_old = 0}`` and the binary KL's
-    constant part; ``1/p_old`` when finite and positive everywhere)."""
+    (``tv``: the clamp bounds of ``p - p_old``, ``1/p_old`` when finite and positive
+    everywhere; ``kl``: the threshold, the direction sign ``b = ±1``, ``q_old = 1 - p_old``,
+    ``1{q_old = 0}`` and the binary KL's constant part)."""
 
     wA: torch.Tensor
     old: torch.Tensor
     p_old: torch.Tensor
     a: torch.Tensor
     b: torch.Tensor
-    b_p_old: torch.Tensor | None = None
     q_old: torch.Tensor | None = None
     q_old_zero: torch.Tensor | None = None
     kl_constant: torch.Tensor | None = None
@@ -265,46 +264,49 @@ def _dppo_constants(part, batch, weight_RC):
     scalar = A.new_tensor
     pos = A > 0
     p_old = old.exp()
-    inv = torch.exp(-old)
-    inv = inv if bool(torch.isfinite(inv).all()) and bool((inv > 0).all()) else None
     if part.divergence == "tv":   # keep iff p - p_old <= δ_high (Â > 0), >= -δ_low (Â <= 0)
+        inv = torch.exp(-old)
+        inv = inv if bool(torch.isfinite(inv).all()) and bool((inv > 0).all()) else None
         a = torch.where(pos, scalar(-INF), -scalar(part.delta_low))
         b = torch.where(pos, scalar(part.delta_high), scalar(INF))
         return Divergence(weight_RC * A, old, p_old, a, b, inv_p_old=inv)
-    # drop iff D > threshold and p moved the advantage's way: b p > b p_old, b = ±1
+    # drop iff D > threshold and p moved the advantage's way: b (x - log π_old) > 0, b = ±1
     a = torch.where(pos, scalar(part.delta_high), scalar(part.delta_low))
     b = torch.where(pos, scalar(1.0), scalar(-1.0))
     q_old = -torch.expm1(old)
-    return Divergence(weight_RC * A, old, p_old, a, b, b * p_old, q_old,
-                      (q_old == 0).to(q_old.dtype), _binary_kl_constant(p_old, old, q_old), inv)
+    return Divergence(weight_RC * A, old, p_old, a, b, q_old, (q_old == 0).to(q_old.dtype),
+                      _binary_kl_constant(p_old, old, q_old))
 
 
 def _dppo(part, x, batch, c, request):
     """``M sg(min(r, C)) Â x``, ``M`` the divergence mask of
     :func:`~tokenmdp.estimators.dppo_keep_mask`: coefficient ``wA M min(r, C)``."""
     wA = scaled(c.wA, request)
-    p = x.exp()
-    ratio = None
-    if c.inv_p_old is not None and not request.metrics:
-        # r = p / p_old from the p at hand (within a few ulps of exp(log π - log π_old), the
-        # weight of the gradient only: the metrics read the exact ratio), unless some ratio
-        # comes near the cap e^20 (or p overflowed)
-        ratio = torch.mul(p, c.inv_p_old)
-        if not bool(ratio.max() < _RATIO_BOUND):
-            ratio = None
     if part.divergence == "tv":
+        p = x.exp()
+        ratio = None
+        if c.inv_p_old is not None and not request.metrics:
+            # r = p / p_old from the p at hand (within a few ulps of exp(log π - log π_old), a
+            # weight of the gradient only: the metrics read the exact ratio), unless some
+            # ratio comes near the cap e^20 (or p overflowed)
+            ratio = torch.mul(p, c.inv_p_old)
+            if not bool(ratio.max() < _RATIO_BOUND):
+                ratio = None
         diff = p.sub_(c.p_old)
         keep = indicator(torch.eq, torch.clamp(diff, c.a, c.b), diff)
+        if ratio is None:
+            ratio = ratio_only(x, c.old)
     else:
-        # q + 1 where q_old = 0 (there q_old log q is 0 either way): off the loss tokens x = 0
-        # makes q = 0, and a log over a vector holding 0 takes a slow path for all of it
-        q = torch.expm1(x).neg_().add_(c.q_old_zero)
-        d = _binary_kl_from(c.kl_constant, c.p_old, x, c.q_old, q)
+        # q = -expm1(x), + 1 where q_old = 0 (q_old log q is 0 there either way): off the loss
+        # tokens x = 0 makes q = 0, and a log over a vector holding 0 is slow for all of it;
+        # then no log is -inf where its product counts, and no clamp is needed
+        e = torch.expm1(x)
+        q_old_log_q = torch.sub(c.q_old_zero, e, out=e).log_().mul_(c.q_old)
+        d = _binary_kl_finish(c.kl_constant, c.p_old, x, q_old_log_q)
         over = indicator(torch.gt, d, c.a, out=d)
-        still = indicator(torch.le, p.mul_(c.b), c.b_p_old, out=p)   # 1 - moved
-        keep = indicator(torch.le, over, still, out=over)           # 1 - over · moved
-    if ratio is None:
-        ratio = ratio_only(x, c.old)
+        log_ratio, ratio, _ = capped_ratio(x, c.old)
+        still = indicator(torch.le, log_ratio.mul_(c.b), 0.0, out=log_ratio)   # 1 - moved
+        keep = indicator(torch.le, over, still, out=over)                     # 1 - over · moved
     weight = ratio if part.cap is None else ratio.clamp(max=part.cap)
     clipped = _clipped_bool(keep) if request.metrics else None
     coef = keep.mul_(weight).mul_(wA)

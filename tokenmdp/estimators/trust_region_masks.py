@@ -68,9 +68,15 @@ def _binary_kl_constant(p_old: torch.Tensor, logp_old: torch.Tensor, q_old: torc
 
 def _binary_kl_from(constant: torch.Tensor, p_old: torch.Tensor, logp: torch.Tensor,
                    q_old: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``D = constant - p_old log p - q_old log q``, the binary KL of ``(p_old, q_old)`` from
-    ``(p, q)``, with ``q`` overwritten (the one formula of DPPO's mask on both loss paths)."""
-    return torch.addcmul(constant, p_old, logp, value=-1).sub_(_xlogy_(q_old, q))
+    """``D = constant - (q_old log q + p_old log p)``, the binary KL of ``(p_old, q_old)`` from
+    ``(p, q)``, with ``q`` overwritten (the formula of DPPO's mask on both loss paths)."""
+    return _binary_kl_finish(constant, p_old, logp, _xlogy_(q_old, q))
+
+
+def _binary_kl_finish(constant: torch.Tensor, p_old: torch.Tensor, logp: torch.Tensor,
+                     q_old_log_q: torch.Tensor) -> torch.Tensor:
+    """``constant - (q_old log q + p_old log p)`` written over ``q_old_log_q``."""
+    return torch.sub(constant, q_old_log_q.addcmul_(p_old, logp), out=q_old_log_q)
 
 
 def dppo_keep_mask(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
@@ -85,7 +91,7 @@ def dppo_keep_mask(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
       ``p - p_old < -δ_low``;
     * ``"kl"``: ``D = p_old log(p_old/p) + (1-p_old) log((1-p_old)/(1-p))`` (binary KL); drop
       ``Â > 0`` tokens with ``D > δ_high`` and ``p > p_old``, and ``Â <= 0`` tokens with
-      ``D > δ_low`` and ``p < p_old``.
+      ``D > δ_low`` and ``p < p_old`` (the direction read on the log-probs, exactly).
 
     Parameters
     ----------
@@ -117,7 +123,8 @@ def dppo_keep_mask(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
             q, q_old = -torch.expm1(logp), -torch.expm1(logp_old)     # 1 - p, 1 - p_old
             d = _binary_kl_from(_binary_kl_constant(p_old, logp_old, q_old), p_old, logp, q_old,
                                q)
-            up, down = (d > delta_high) & (p > p_old), (d > delta_low) & (p < p_old)
+            # the direction on the log-probs: the same as p > p_old (exp increases), exactly
+            up, down = (d > delta_high) & (logp > logp_old), (d > delta_low) & (logp < logp_old)
         pos = advantages_RC > 0
         return ~torch.where(pos, up, down)
 
