@@ -23,6 +23,7 @@ from tokenmdp import estimators
 from tokenmdp.exact import (
     LogLinearPolicy,
     Moments,
+    MomentsWorkspace,
     NeuralPolicy,
     TabularPolicy,
     TokenMDP,
@@ -190,6 +191,10 @@ class Lab:
         ``μ``, the engine that sampled.
     jacobian : Tensor
         ``∇_θ log π(a|s)`` of ``π_θ`` for every state-action pair.
+    workspace : MomentsWorkspace, optional
+        The estimator-independent tables of the exact moments (log-probabilities, sampling
+        probabilities, ``∇J``), built once and shared by every estimator measured; ``None``
+        computes them afresh for each.
     """
 
     setup: Setup
@@ -198,6 +203,7 @@ class Lab:
     old: nn.Module
     behavior: nn.Module
     jacobian: torch.Tensor
+    workspace: MomentsWorkspace | None = None
 
 
 def build_mdp(setup: Setup) -> tuple[TokenMDP, nn.Module]:
@@ -237,7 +243,10 @@ def build_lab(setup: Setup) -> Lab:
     if setup.discrepant:
         behavior = inference_copy(old, rounding=_rounding(setup.rounding), noise_std=setup.noise,
                                   generator=torch.Generator().manual_seed(setup.seed + 1))
-    return Lab(setup, mdp, policy, old, behavior, state_action_jacobian(mdp, policy))
+    jacobian = state_action_jacobian(mdp, policy)
+    workspace = MomentsWorkspace(mdp, policy, behavior=behavior, old=old, reference=old,
+                                 jacobian=jacobian)
+    return Lab(setup, mdp, policy, old, behavior, jacobian, workspace)
 
 
 def measure(lab: Lab, estimator: estimators.Estimator | Callable, *,
@@ -263,10 +272,13 @@ def measure(lab: Lab, estimator: estimators.Estimator | Callable, *,
         Mean, total variance, bias and ``∇J`` of the estimator's gradient.
     """
     s = lab.setup
-    return moments(lab.mdp, lab.policy, estimator, group_size=s.group_size,
+    options = dict(group_size=s.group_size, method=s.method, num_samples=s.samples,
+                   generator=torch.Generator().manual_seed(s.seed))
+    if behavior is None and lab.workspace is not None:     # the shared tables: bit for bit equal
+        return lab.workspace.moments(estimator, **options)
+    return moments(lab.mdp, lab.policy, estimator,
                    behavior=lab.behavior if behavior is None else behavior, old=lab.old,
-                   reference=lab.old, method=s.method, num_samples=s.samples,
-                   generator=torch.Generator().manual_seed(s.seed), jacobian=lab.jacobian)
+                   reference=lab.old, jacobian=lab.jacobian, **options)
 
 
 def rescaled_mse(m: Moments) -> tuple[float, float]:
