@@ -38,11 +38,13 @@ from tokenmdp.estimators._common import MAX_LOG_RATIO
 class Request(NamedTuple):
     """What a kernel call must return besides the loss value: the gradient coefficient
     (``grad``), the metrics' per-token tensors (``metrics``), and an optional per-call factor
-    ``scale_RC`` (0/1 float) multiplying the part's weight (a mask computed from ``x``)."""
+    ``scale_RC`` (0/1 float) multiplying the part's weight (a mask computed from ``x``);
+    ``accumulate``: a fresh coefficient tensor the kernel may add its own into (and return)."""
 
     grad: bool
     metrics: bool
     scale_RC: torch.Tensor | None = None
+    accumulate: torch.Tensor | None = None
 
 
 class FusedTerms(NamedTuple):

@@ -27,23 +27,24 @@ class Penalty(NamedTuple):
     behavior: torch.Tensor | None
 
 
-#: The estimators with a fused form: ``value_and_derivative(x, ref, grad)``.
+#: The estimators with a fused form: ``(value, derivative, sign) = form(x, ref, grad)``, the
+#: derivative ``∂k/∂x`` being ``sign · derivative`` (None: 1).
 def _k1(x, ref, grad):
-    return x - ref, None  # derivative 1
+    return x - ref, None, 1.0
 
 
 def _k2(x, ref, grad):
     u = ref - x
-    return u.square().mul_(0.5), (x - ref) if grad else None
+    return u.square().mul_(0.5), (x - ref) if grad else None, 1.0
 
 
 def _k3(x, ref, grad):
     log_r = ref - x
-    if not capped_anywhere(log_r):   # no clamp; the value written over log r
+    if not capped_anywhere(log_r):   # no clamp; the value written over log r; ∂k/∂x = -(r - 1)
         r_minus_1 = torch.expm1(log_r)
-        return torch.sub(r_minus_1, log_r, out=log_r), r_minus_1.neg_() if grad else None
+        return torch.sub(r_minus_1, log_r, out=log_r), r_minus_1 if grad else None, -1.0
     r_minus_1 = log_r.clamp(max=MAX_LOG_RATIO).expm1_()
-    return r_minus_1 - log_r, _k3_derivative(log_r, r_minus_1) if grad else None
+    return r_minus_1 - log_r, _k3_derivative(log_r, r_minus_1) if grad else None, 1.0
 
 
 def _k3_derivative(log_r, r_minus_1):
@@ -56,12 +57,12 @@ def _k3_derivative(log_r, r_minus_1):
 def _k3_plus(x, ref, grad):
     log_r = ref - x
     value = log_r.clamp(max=MAX_LOG_RATIO).expm1_().sub_(log_r)
-    return value, log_r.neg_() if grad else None
+    return value, log_r if grad else None, -1.0
 
 
 def _abs(x, ref, grad):
     minus_log_r = x - ref
-    return minus_log_r.abs(), torch.sign(minus_log_r) if grad else None
+    return minus_log_r.abs(), torch.sign(minus_log_r) if grad else None, 1.0
 
 
 _KL_FORMS = {kl_k1: _k1, kl_k2: _k2, kl_k3: _k3, kl_k3_plus: _k3_plus, kl_abs: _abs}
@@ -77,7 +78,7 @@ def _kl_constants(part, batch, weight_RC):
 
 def _kl(part, x, batch, c, request):
     """``β Σ w k`` (``w`` times ``sg(π_θ/μ)`` when importance-weighted) and ``β w ∂k/∂x``."""
-    value, derivative = _KL_FORMS[part.estimator](x, c.ref, request.grad)
+    value, derivative, sign = _KL_FORMS[part.estimator](x, c.ref, request.grad)
     weight, coef_weight = c.weight, c.coef_weight
     if c.behavior is not None:
         weight = weight * (x - c.behavior).clamp_(max=MAX_LOG_RATIO).exp_()
@@ -86,9 +87,16 @@ def _kl(part, x, batch, c, request):
     if request.grad:
         if coef_weight is None:
             coef_weight = part.coef * weight
-        elif derivative is None:
-            owned = False          # k1: the coefficient is the step constant β w itself
-        coef = coef_weight if derivative is None else derivative.mul_(coef_weight)
+        into = request.accumulate
+        if into is not None:       # one pass: into + sign · derivative · β w
+            coef = into.add_(coef_weight) if derivative is None else \
+                into.addcmul_(derivative, coef_weight, value=sign)
+        elif derivative is None:   # k1: β w, a step constant unless importance-weighted
+            coef, owned = coef_weight, c.coef_weight is None
+        else:
+            coef = derivative.mul_(coef_weight)
+            if sign < 0:
+                coef.neg_()
     return FusedTerms(total, coef, values_RC=value if request.metrics else None, owned=owned)
 
 

@@ -124,11 +124,11 @@ def _fused_loss(logprobs_RC, batch, estimator, constants, metrics):
         total, coef = terms.total, terms.coef_RC
         k_RC = None
         if plan.kl is not None:
-            penalty = plan.kl(x, batch, request)
+            into = coef if grad and terms.owned else None   # the penalty adds itself in
+            penalty = plan.kl(x, batch, request._replace(accumulate=into))
             total = total + penalty.total
-            if grad:
-                coef = (penalty.coef_RC.add_(coef) if penalty.owned else
-                        coef.add_(penalty.coef_RC) if terms.owned else coef + penalty.coef_RC)
+            if grad and into is None:
+                coef = penalty.coef_RC.add_(coef) if penalty.owned else coef + penalty.coef_RC
             k_RC = penalty.values_RC
     if grad:
         total = FusedLoss.apply(logprobs_RC, total, coef)
