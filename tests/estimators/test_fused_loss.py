@@ -154,6 +154,20 @@ def test_fused_path_matches_autograd_path_on_hypothesis_batches(batch, data):
         assert_paths_agree(step, est, lp, (name, scale, shift, off))
 
 
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_path_without_the_cpu_shortcuts(name, monkeypatch):
+    """The path a GPU takes: no reduction decides that no ratio reaches the cap or that the
+    log-probs can be read raw (each would synchronize the device)."""
+    from tokenmdp.estimators import _fused, _fused_kl, _fused_sequence, _fused_surrogates
+    for module in (_fused, _fused_kl, _fused_sequence, _fused_surrogates):
+        if hasattr(module, "capped_anywhere"):
+            monkeypatch.setattr(module, "capped_anywhere", lambda log_ratio: True)
+    monkeypatch.setattr(_fused, "TAME", -1.0)
+    est = _estimator(name)
+    step = E.prepare(fixture(2), est, max_len=8)
+    assert_paths_agree(step, est, _noisy(step, 0.5, seed=2), name)
+
+
 def test_fused_path_without_gradient_and_on_an_empty_batch():
     batch = fixture()
     est = E.get("grpo")

@@ -285,10 +285,11 @@ def _dppo(part, x, batch, c, request):
     if part.divergence == "tv":
         p = x.exp()
         ratio = None
-        if c.inv_p_old is not None and not request.metrics:
+        if c.inv_p_old is not None and not request.metrics and x.device.type == "cpu":
             # r = p / p_old from the p at hand (within a few ulps of exp(log π - log π_old), a
             # weight of the gradient only: the metrics read the exact ratio), unless some
-            # ratio comes near the cap e^20 (or p overflowed)
+            # ratio comes near the cap e^20 (or p overflowed); on CPU, where the check of the
+            # cap is no device synchronization
             ratio = torch.mul(p, c.inv_p_old)
             if not bool(ratio.max() < _RATIO_BOUND):
                 ratio = None
