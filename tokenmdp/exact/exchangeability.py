@@ -118,9 +118,10 @@ def others_counts_matter(estimator) -> bool:
 
 
 def _type_keys(steps: StepGradients, *, with_counts: bool | None = None) -> torch.Tensor:
-    """``[N, k]``: (effective reward, counted tokens, and each part's ``exchangeable_type``) of
-    every response: all that another sample contributes to a sample's own gradient term (group
-    statistics and normalizers). The counted tokens only when :func:`others_counts_matter`
+    """``[N, k]``: (effective reward, counted tokens, loss tokens where a reject leaves them apart,
+    and each part's ``exchangeable_type``) of every response: all that another sample
+    contributes to a sample's own gradient term (group statistics and normalizers). The counts
+    only when :func:`others_counts_matter`
     (``with_counts`` forces them in or out: the full key is the reference the reduced one is
     tested against)."""
     cache = steps.__dict__.setdefault("_type_keys", {})    # asked by _choose, then the method
@@ -137,7 +138,13 @@ def _compute_type_keys(steps: StepGradients, with_counts: bool | None) -> torch.
         reward = reward - est.kl.reward_penalty(batch)
     keys = [reward[:, None]]
     if others_counts_matter(est) if with_counts is None else with_counts:
-        keys.append(batch.sequence_sum(counted_mask(batch, est).to(torch.float64))[:, None])
+        counted = batch.sequence_sum(counted_mask(batch, est).to(torch.float64))
+        keys.append(counted[:, None])
+        # a length-aware advantage reads every loss token (a reject that leaves the
+        # normalizer removes some from the counted ones only): both counts, where they differ
+        loss_tokens = batch.sequence_sum(batch.loss_mask.to(torch.float64))
+        if not torch.equal(loss_tokens, counted):
+            keys.append(loss_tokens[:, None])
     for part in _parts(est):
         extra = getattr(part, "exchangeable_type", None)
         if extra is not None:
