@@ -15,10 +15,16 @@ lengths or depend on them, and compare ``method="exchangeability"`` with
 * custom parts: an advantage that reads the lengths (a :meth:`per_sequence` override), one that
   reads the rewards only (``__call__``), a surrogate with a step-wide ``prepare_step``;
 * the other options of :func:`~tokenmdp.exact.moments` the method refuses (a loss callable,
-  ``filter_groups``, several prompts per batch) raise instead of answering.
+  ``filter_groups``, several prompts per batch) raise instead of answering;
+* :class:`~tokenmdp.exact.moments.MomentsWorkspace` against a fresh :func:`moments` call, bit
+  for bit, after each change of what its tables read: an optimizer step, ``load_state_dict``,
+  ``μ``'s temperature and rounding, a neural policy's buffer, a policy or the reference
+  swapped on the workspace, the MDP's prompt probabilities in place (a workspace that misses
+  the temperature is caught).
 """
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -28,11 +34,13 @@ from hypothesis import strategies as st
 from tokenmdp import estimators as E
 from tokenmdp.estimators import Aggregation, Estimator, SequenceCount
 from tokenmdp.estimators._common import loss_token_counts, to_tokens
-from tokenmdp.exact import TabularPolicy, TokenMDP, inference_copy, stale_copy
+from tokenmdp.exact import NeuralPolicy, TabularPolicy, TokenMDP, inference_copy, stale_copy
 from tokenmdp.exact.exchangeability import others_counts_matter, reduces_to_types
-from tokenmdp.exact.moments import MomentsWorkspace
+from tokenmdp.exact.moments import MomentsWorkspace, moments
 from tokenmdp.exact.rewards import ExactMatch, LengthReward, Parity, TokenCount
 from tokenmdp.testing.strategies import mdps
+
+M = importlib.import_module("tokenmdp.exact.moments")   # the module (the package's name is the function)
 
 #: float64 round-off of the same moments summed in another order (enumeration vs types).
 EXACT_TOL = 1e-11
@@ -212,3 +220,66 @@ def test_what_the_method_refuses_raises():
                                (E.get("clip_cov"), {})):
         with pytest.raises(ValueError, match="method: exchangeability"):
             ws.moments(estimator, group_size=2, method="exchangeability", **options)
+
+
+# ------------------------------------------------------------------------------ workspace
+def _fresh(ws, est, G):
+    return moments(ws.mdp, ws.policy, est, group_size=G, behavior=ws.behavior, old=ws.old,
+                   reference=ws.reference, method="exchangeability")
+
+
+def test_a_workspace_follows_every_change_of_what_its_tables_read():
+    mdp = TokenMDP(3, 3, Parity(1), prompts=[(0,), (1,)], prompt_probs=[0.3, 0.7])
+    pi, kw = world(mdp, 4, noise=0.4)
+    other_pi, other_kw = world(mdp, 9, noise=0.4)
+    ws = MomentsWorkspace(mdp, pi, **kw)
+    est = E.get("grpo")
+    optimizer = torch.optim.SGD(pi.parameters(), lr=0.5)
+
+    def step():
+        pi.table.grad = torch.randn(pi.table.shape, generator=torch.Generator().manual_seed(1),
+                                    dtype=torch.float64)
+        optimizer.step()
+
+    changes = [step, lambda: kw["old"].load_state_dict(other_kw["old"].state_dict()),
+               lambda: setattr(kw["behavior"], "temperature", 0.7),
+               lambda: setattr(kw["behavior"], "rounding", "bf16"),
+               lambda: setattr(ws, "behavior", other_kw["behavior"]),
+               lambda: setattr(ws, "reference", other_pi),
+               lambda: mdp.prompt_probs.copy_(mdp.prompt_probs.flip(0))]
+    before = ws.moments(est, group_size=3, method="exchangeability")
+    for change in changes:
+        change()
+        now = ws.moments(est, group_size=3, method="exchangeability")
+        fresh = _fresh(ws, est, 3)
+        assert torch.equal(now.mean, fresh.mean) and now.total_variance == fresh.total_variance
+        assert torch.equal(now.true_gradient, fresh.true_gradient)
+        assert not torch.equal(now.mean, before.mean)          # the change mattered
+        before = now
+
+
+def test_a_workspace_that_misses_a_temperature_is_caught(monkeypatch):
+    mdp = TokenMDP(3, 2, Parity(1), prompts=[(0,), (1,)], prompt_probs=[0.5, 0.5])
+    pi, kw = world(mdp, 4, noise=0.4)
+    ws = MomentsWorkspace(mdp, pi, **kw).build()
+    kw["behavior"].temperature = 0.5
+    monkeypatch.setattr(M, "_same", lambda now, then: True)     # the settings not watched
+    stale = ws.moments(E.get("dapo"), group_size=2, method="exchangeability")
+    assert float((stale.mean - _fresh(ws, E.get("dapo"), 2).mean).abs().max()) > 1e-6
+
+
+def test_a_workspace_follows_a_neural_policy_and_a_late_reference():
+    mdp = TokenMDP(3, 2, LengthReward(0.5, content=Parity(1)), prompts=[(0,), (1,)],
+                   prompt_probs=[0.5, 0.5])
+    pi = NeuralPolicy(mdp, generator=torch.Generator().manual_seed(1))
+    ws = MomentsWorkspace(mdp, pi).build()
+    with pytest.raises(ValueError, match="reference"):
+        ws.moments(E.get("grpo"), group_size=2)               # a KL term, no reference
+    before = ws.moments(E.get("dapo"), group_size=2, method="exchangeability")
+    pi.prompt_last.copy_(pi.prompt_last.flip(0))               # a buffer, in place
+    now = ws.moments(E.get("dapo"), group_size=2, method="exchangeability")
+    assert torch.equal(now.mean, _fresh(ws, E.get("dapo"), 2).mean)
+    assert not torch.equal(now.mean, before.mean)
+    ws.reference = stale_copy(mdp, pi, distance=0.3)
+    late = ws.moments(E.get("grpo"), group_size=2, method="exchangeability")
+    assert torch.equal(late.mean, _fresh(ws, E.get("grpo"), 2).mean)

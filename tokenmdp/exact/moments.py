@@ -196,9 +196,12 @@ class MomentsWorkspace:
     which then costs only the estimator's own batches; the results equal those of
     :func:`moments` bit for bit. The policies may change between calls (a tabular policy
     trained in place): every call compares their parameters and buffers with a copy taken when
-    the tables were built and rebuilds them when any differs (a ``jacobian`` given here is then
-    dropped, as it was for the old parameters); other attributes of the policies are not
-    watched.
+    the tables were built, and the public attributes of the MDP, of the policies and of their
+    submodules (numbers and strings such as a temperature or a rounding, unregistered tensors
+    such as ``prompt_probs``, by value; anything else, and the policies held, by identity), and
+    rebuilds the tables when any differs (a ``jacobian`` given here is then dropped, as it was
+    for the old parameters); the inside of an attribute compared by identity (a reward
+    object's fields, a list's items) is not watched.
 
     Parameters
     ----------
@@ -229,6 +232,7 @@ class MomentsWorkspace:
         self.mdp, self.policy, self.behavior, self.old = mdp, policy, behavior, old
         self.reference, self.jacobian = reference, jacobian
         self._built: WorldTables | None = None
+        self._settings: list = []
 
     def build(self) -> MomentsWorkspace:
         """Compute the tables now (else the first :meth:`moments` does), or again after a change.
@@ -242,12 +246,16 @@ class MomentsWorkspace:
         return self
 
     def _tables(self) -> WorldTables:
-        """The tables at the policies' present parameters (built, or rebuilt after a change)."""
-        if self._built is None or not self._built.current():
+        """The tables at the policies' present parameters and settings (built, or rebuilt after
+        a change)."""
+        settings = _settings((self.mdp, self.policy, self.behavior, self.old, self.reference))
+        if self._built is None or not _same(settings, self._settings) \
+                or not self._built.current():
             if self._built is not None:
                 self.jacobian = None
             self._built = WorldTables(self.mdp, self.policy, self.behavior, self.old,
                                       self.reference, self.jacobian)
+            self._settings = settings
         return self._built
 
     def moments(self, estimator: Estimator | Callable, *, group_size: int,
@@ -351,6 +359,44 @@ class MomentsWorkspace:
                 second += p @ steps.sq_norms(draw, pair, coef, int(p.numel()))
             mean = steps.to_params(mean_C)[0]
         return _exact_moments(mean, second, outer, true_grad, int(ids.shape[0]), p_keep, method)
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _settings(objects) -> list:
+    """What the workspace's tables read of ``objects`` (the MDP and the policies) besides the
+    modules' parameters and buffers: each object itself, and the public attributes of it and of
+    its submodules, plain values as they are, tensors as copies, anything else itself (compared
+    by identity)."""
+    out = []
+    for obj in objects:
+        out.append(obj)
+        for part in obj.modules() if isinstance(obj, nn.Module) else (() if obj is None
+                                                                      else (obj,)):
+            for key, value in sorted(vars(part).items()):
+                if not key.startswith("_"):
+                    out.append((part, key, value.detach().clone()
+                                if isinstance(value, torch.Tensor) else value))
+    return out
+
+
+def _same(now: list, then: list) -> bool:
+    """Whether two :func:`_settings` are equal (plain values by value and type, tensors by
+    :func:`torch.equal`, the rest by identity)."""
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+                a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+        if isinstance(a, _PLAIN):
+            return type(a) is type(b) and a == b
+        return a is b
+
+    return len(now) == len(then) and all(
+        a[0] is b[0] and a[1] == b[1] and same(a[2], b[2]) if isinstance(a, tuple)
+        and isinstance(b, tuple) else (not isinstance(a, tuple) and not isinstance(b, tuple)
+                                       and a is b)
+        for a, b in zip(now, then))
 
 
 def _streamed_monte_carlo(steps, ids, true_grad, keep_cov, p_keep) -> Moments:
