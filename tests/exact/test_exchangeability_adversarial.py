@@ -183,6 +183,22 @@ def test_which_custom_parts_keep_the_counts():
         assert not others_counts_matter(grpo.replace(correction=reject))
 
 
+@pytest.mark.parametrize("change", [dict(advantage=LengthShaped()),
+                                    dict(advantage=GroupMaxBaseline()),
+                                    dict(surrogate=StepTokenScaled()),
+                                    dict(correction=E.SelfNormalizedIS(level="sequence"))],
+                         ids=lambda c: type(next(iter(c.values()))).__name__)
+def test_custom_parts_against_the_enumeration(change):
+    """Each user-written part in an estimator whose aggregation reads no other counts (so only
+    the part's own clause of :func:`others_counts_matter` keeps them), rewards tied across
+    lengths."""
+    mdp = TokenMDP(3, 3, Parity(1), prompts=[(0,), (1,)], prompt_probs=[0.4, 0.6])
+    est = E.get("rloo").replace(**change)
+    fast, exact = both_methods(mdp, est, 3, seed=2)
+    assert float(exact.mean.norm()) > 1e-3
+    assert_same(fast, exact)
+
+
 @settings(max_examples=60, deadline=None)
 @given(mdps(max_vocab_size=3, max_len=3, max_prompts=2), st.sampled_from(REWARDS),
        compositions(), st.integers(2, 3), st.integers(0, 1000))
