@@ -32,7 +32,7 @@ CONFIGS = {
         model=dict(d_model=128, n_layers=4, n_heads=4, n_experts=8, top_k=2, expert_hidden=128),
         device="cuda", precision="fp8", seeds=(0, 1, 2), workers=12,
         length=64, sigma=1.0, lengths=(16, 32, 64, 128), sigmas=(0.0, 1.0, 2.0),
-        room_sigmas=(0.25, 1.0), room_steps=150, fresh_groups=8000,
+        room_sigmas=(0.25, 1.0), room_steps=150, fresh_groups=2000,
         sft=dict(prompts_per_step=128, lr=1e-3, warmup_steps=50, target=0.5, check=10,
                  max_steps=2000),
         rl=dict(steps=100, prompts_per_step=32, group_size=8, lr=3e-4, eval_every=25,

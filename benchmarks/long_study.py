@@ -23,7 +23,11 @@ correction did not collapse training there. Here:
 Runs:
 
 * **on-policy** (``minibatches = 1``): ``minirl`` vs ``minirl_no_is`` (no training-inference IS)
-  vs ``minirl_len_norm`` (length normalization);
+  vs ``minirl_len_norm`` (length normalization), evaluated near greedy (the start is at 100%:
+  does RL keep it?);
+* **room** (``room_s<sigma>_<estimator>``): the same trio at ``sigma`` in ``room_sigmas`` (0.25,
+  the paper's small mismatch, and 1), evaluated by sampling at temperature 1, where the start is
+  56% and 20% under those engines: RL can improve; ``room_steps`` steps;
 * **off-policy** (``minibatches`` N = 2, 4, 8), MiniRL with routing replay none / R2 / R3;
 * **phase diagram**: ``minirl_no_is`` and ``minirl`` on-policy over ``sigma`` x ``L``; a cell
   *collapses* when the mean over seeds of (final held-out accuracy - the SFT checkpoint's) is
@@ -32,44 +36,51 @@ Runs:
 
 Per run: final and best held-out accuracy, the train reward of the last quarter, the drop of the
 smoothed train reward from its peak, the training-inference KL (k3), routing mismatch, clip
-fraction, gradient norm (before clipping), entropy, skipped updates, wall time. Per setting: the
-mean ± standard error over seeds (``std(ddof=1) / sqrt(k)``). Outputs under ``--out``:
-``results.md`` (the tables), ``results.csv`` (one row per run), ``curves.png`` (held-out accuracy,
-entropy, training-inference KL, clip fraction and gradient norm per group, mean over seeds),
-``phase.png`` (the phase diagram), ``summary.json`` and every run's ``metrics.jsonl``.
+fraction, gradient norm (before clipping), entropy, skipped updates, wall time, and the
+correction's diagnostics of :func:`tokenmdp.rl.update.blame_stats` over the first quarter of the
+steps (``pi_old / mu`` at tokens ``pi_old`` gives less than 1/2 and at the others, the share of
+the negative-advantage push on the former, the failed and passed answers holding one, the token
+ESS, the sequence log-weight). Per setting: the mean ± standard error over seeds
+(``std(ddof=1) / sqrt(k)``), beside the exact world's prediction at the row's ``L`` and ``sigma``
+(``_long_study_exact.py``: the exact lattice moments with the engine's marginal, and a Monte
+Carlo with the noise fresh per token as the trainer draws it). Outputs under ``--out``:
+``results.md`` (the tables), ``results.csv`` (one row per run), ``curves.png`` (held-out
+accuracy, entropy, training-inference KL, clip fraction and gradient norm per group, mean over
+seeds), ``phase.png`` (the phase diagram), ``summary.json``, ``outcomes.json`` (what
+``--report-only`` reads back) and every run's ``metrics.jsonl``. The code: ``_long_study_runs.py``
+(sizes, grid, SFT, the pool), ``_long_study_report.py`` (tables, figures),
+``_long_study_exact.py`` (the exact world).
 
 Configurations (``--config``):
 
-* ``cpu`` — the tiny MoE on the CPU, sized for about 45 minutes on a 2-core machine with
-  ``--workers 2`` (66 runs of 80 steps; measured 0.33 s per step at ``L = 64`` with one worker
-  on a shared machine, so about 20 minutes of runs with two); a benchmark, not a test;
+* ``cpu`` — the tiny MoE on the CPU, 84 runs (80 steps; the room group 120) with
+  ``--workers 2``: measured 55 minutes on a 2-core machine that two other jobs shared (load
+  average about 5; an earlier run of the 66 runs without the room group took 19 minutes on a
+  less loaded one), about 30 minutes on the two cores alone by that earlier rate; a benchmark,
+  not a test;
 * ``gpu`` — a wider model, bigger batches and four lengths on one GPU, sized **by estimate, not
-  measured** (written without a GPU) for about 8 minutes on one H200 with ``--workers 12`` (102
-  runs of 100 steps share the GPU, at an assumed 0.4 s per step); ``benchmarks/gpu_study.sh``
-  runs it with a time limit;
+  measured** (written without a GPU) for about 8 minutes on one H200 with ``--workers 12`` (120
+  runs of 100 steps, the room group 150, share the GPU, at an assumed 0.4 s per step);
+  ``benchmarks/gpu_study.sh`` runs it with a time limit;
 * ``--quick`` — a smoke check of the whole pipeline (about a minute, one worker); its numbers mean
   nothing.
 
-Measured so far (parts of the cpu configuration, 60 steps, seeds 0-2, one worker; the full
-grid, the off-policy runs and most of the phase diagram are not run yet), all from a start at
-1.00 held-out accuracy near greedy, as Δ acc (mean ± SE over seeds):
+Measured (cpu configuration, seeds 0-2, mean ± SE of Δ acc; the tables, the phase diagram and the
+reasons are in the documentation, *Benchmarks* › *Long answers with an engine-mismatch dial*):
 
-* ``L = 64``, ``sigma = 1`` (KL(mu || pi_old) 0.03-0.06 per token, routing mismatch 2.5%):
-  ``minirl_no_is`` -0.107 ± 0.041 (no seed collapsed), ``minirl`` -0.703 ± 0.297 (2 of 3
-  collapsed: train reward 0 within 20 steps, entropy up from 0.08 to 0.17-0.36, and with every
-  reward of a group 0 the advantages are 0, so it never recovers), ``minirl_len_norm``
-  -0.603 ± 0.215 (1 of 3);
-* ``L = 64``, ``sigma = 0`` (fp8 alone, KL 0.002-0.003): ``minirl_no_is`` -0.197 ± 0.133,
-  ``minirl`` -0.433 ± 0.291 (1 of 3 collapsed).
-
-So the paper's collapse without the IS correction does not appear; MiniRL with its token-level
-truncated IS (cap 5) was the less stable, at both dial settings, but within about two standard
-errors at ``sigma = 0``: RL at learning rate 3e-4 from this start is fragile by itself, and three
-seeds of 60 steps do not separate the estimators there. One candidate reason for the gap at
-``sigma = 1``, not tested: this dial's mismatch is fresh noise, not a systematic bias; a wrong
-response is then mostly wrong at a token the noise promoted, where ``pi_old / mu`` is near 0
-(``rho_min`` 0.001-0.02 measured), so the IS weight takes that token's blame away and the
-negative advantage falls on the right tokens of the response.
+* ``L = 64``, ``sigma = 1``, near greedy: ``minirl`` -0.81 ± 0.19, ``minirl_no_is``
+  -0.31 ± 0.17, ``minirl_len_norm`` -0.59 ± 0.27; off-policy N >= 4 collapses for every replay;
+* room, ``sigma = 0.25`` (KL 0.002 per token), from 0.56: ``minirl`` +0.25 ± 0.06,
+  ``minirl_no_is`` -0.15 ± 0.23 (one seed collapsed), ``minirl_len_norm`` +0.02 ± 0.20: the
+  paper's ordering, within about 1.7 standard errors;
+* room, ``sigma = 1`` (KL 0.02-0.06), from 0.20: ``minirl_no_is`` +0.46 ± 0.05, ``minirl``
+  -0.02 ± 0.18 (two seeds collapsed), ``minirl_len_norm`` -0.14 ± 0.06: against the paper. The
+  measured reason: 96-98% of wrong answers hold a token that ``pi_old`` gives less than 1/2,
+  where ``pi_old / mu`` is about 0.2, so MiniRL's weight moves a third of the negative push from
+  them onto the right tokens; in expectation that is exact (the exact world: cosine 1.000 with
+  the gradient, against 0.90 without the weight), but the weight of each fresh draw is noisy on
+  just those tokens, and the corrected gradient's signal-to-noise ratio is 0.44 times the
+  uncorrected one (1.7 times with a mismatch fixed per state).
 
 Usage::
 
@@ -141,8 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def exact_predictions(args, specs: list[dict]) -> tuple[dict, str]:
     """The exact world at every on-policy (L, σ) of ``specs`` (:mod:`_long_study_exact`): the
-    exact lattice moments (marginal engine), and for ``minirl`` / ``minirl_no_is`` the Monte Carlo
-    with the noise fresh per token as the trainer draws it (``fresh_groups`` groups)."""
+    exact lattice moments (marginal engine), and at the main grid's length, for ``minirl`` /
+    ``minirl_no_is``, the Monte Carlo with the noise fresh per token as the trainer draws it
+    (``fresh_groups`` groups)."""
     if args.no_exact:
         return {}, ""
     from _long_study_exact import exact_markdown_table, exact_row, fresh_noise_moments
@@ -154,6 +166,8 @@ def exact_predictions(args, specs: list[dict]) -> tuple[dict, str]:
              "of the trainer's G, ± jackknife SE): cosine / progress / SNR", "",
              "| L | σ | minirl (weight min(π/μ_ε, 5)) | minirl_no_is |", "|---|---|---|---|"]
     for row in rows:
+        if row["L"] != args.size["length"]:
+            continue
         cells_md = []
         for est in ("minirl", "minirl_no_is"):
             f = fresh_noise_moments(row["L"], row["sigma"], est, group_size=G,
