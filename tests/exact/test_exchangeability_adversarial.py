@@ -272,6 +272,7 @@ def test_a_workspace_follows_every_change_of_what_its_tables_read():
         assert torch.equal(now.true_gradient, fresh.true_gradient)
         assert not torch.equal(now.mean, before.mean)          # the change mattered
         before = now
+    assert ws._tables() is ws._tables()                         # no change: no rebuild
 
 
 def test_a_workspace_that_misses_a_temperature_is_caught(monkeypatch):

@@ -248,14 +248,13 @@ class MomentsWorkspace:
     def _tables(self) -> WorldTables:
         """The tables at the policies' present parameters and settings (built, or rebuilt after
         a change)."""
-        settings = _settings((self.mdp, self.policy, self.behavior, self.old, self.reference))
-        if self._built is None or not _same(settings, self._settings) \
+        held = (self.mdp, self.policy, self.behavior, self.old, self.reference)
+        if self._built is None or not _same(_settings(held), self._settings) \
                 or not self._built.current():
             if self._built is not None:
                 self.jacobian = None
-            self._built = WorldTables(self.mdp, self.policy, self.behavior, self.old,
-                                      self.reference, self.jacobian)
-            self._settings = settings
+            self._built = WorldTables(*held, self.jacobian)
+            self._settings = _settings(held)    # after the build (a policy may cache in it)
         return self._built
 
     def moments(self, estimator: Estimator | Callable, *, group_size: int,
