@@ -12,7 +12,8 @@ multiset ``M`` of ``G`` types holds in each slot a new response of the slot's ty
 
 The types are the effective rewards, the counted tokens only where a part reads the other
 samples' counts (:func:`others_counts_matter`: a token-mean normalizer, a length-aware advantage,
-a step-wide ``prepare_step``), and each part's ``exchangeable_type``. Only the slots that hold a
+a step-wide ``prepare_step``; then the loss tokens too where rejects that leave the normalizer
+make them differ), and each part's ``exchangeable_type``. Only the slots that hold a
 new response go through the loss and its backward pass; the padding slots (a type's responses
 run out) are prepared with their batch and left out after (a micro-batch of the prepared step).
 
