@@ -22,7 +22,7 @@ def _settings(objects) -> list:
         out.append(obj)
         for part in obj.modules() if isinstance(obj, nn.Module) else (() if obj is None
                                                                       else (obj,)):
-            for key, value in sorted(vars(part).items()):
+            for key, value in sorted(getattr(part, "__dict__", {}).items()):
                 if not key.startswith("_"):
                     out.append((part, key, value.detach().clone()
                                 if isinstance(value, torch.Tensor) else value))
