@@ -36,7 +36,7 @@ from tokenmdp.estimators._fused import (
 from tokenmdp.estimators.covariance_surrogates import CLIP_COV_SCALE, KL_COV_SELECTED, ClipCov, KLCov
 from tokenmdp.estimators.soft_surrogates import SAPO, EntropyBonus
 from tokenmdp.estimators.surrogates import CISPO, MiniRL, PPOClip, Reinforce, TokenRatio
-from tokenmdp.estimators.trust_region_masks import DPPO, _binary_kl_constant, _binary_kl_finish
+from tokenmdp.estimators.trust_region_masks import DPPO, _binary_kl_constant, _binary_kl_sum
 
 INF = float("inf")
 
@@ -246,7 +246,7 @@ class Divergence(NamedTuple):
     """DPPO's step constants: ``wA``, ``log π_old``, ``p_old`` and the bounds of its mask
     (``tv``: the clamp bounds of ``p - p_old``, ``1/p_old`` when finite and positive
     everywhere; ``kl``: the threshold, the direction sign ``b = ±1``, ``q_old = 1 - p_old``,
-    ``1{q_old = 0}`` and the binary KL's constant part)."""
+    ``1{q_old = 0}`` and the binary KL's constant part minus the threshold)."""
 
     wA: torch.Tensor
     old: torch.Tensor
@@ -270,12 +270,14 @@ def _dppo_constants(part, batch, weight_RC):
         a = torch.where(pos, scalar(-INF), -scalar(part.delta_low))
         b = torch.where(pos, scalar(part.delta_high), scalar(INF))
         return Divergence(weight_RC * A, old, p_old, a, b, inv_p_old=inv)
-    # drop iff D > threshold and p moved the advantage's way: b (x - log π_old) > 0, b = ±1
+    # drop iff D > δ and p moved the advantage's way: b (x - log π_old) > 0, b = ±1
     a = torch.where(pos, scalar(part.delta_high), scalar(part.delta_low))
     b = torch.where(pos, scalar(1.0), scalar(-1.0))
     q_old = -torch.expm1(old)
+    constant = _binary_kl_constant(p_old, old, q_old)
+    high = constant - scalar(part.delta_high)
     return Divergence(weight_RC * A, old, p_old, a, b, q_old, (q_old == 0).to(q_old.dtype),
-                      _binary_kl_constant(p_old, old, q_old))
+                      torch.where(pos, high, constant - scalar(part.delta_low)))
 
 
 def _dppo(part, x, batch, c, request):
@@ -303,11 +305,14 @@ def _dppo(part, x, batch, c, request):
         # then no log is -inf where its product counts, and no clamp is needed
         e = torch.expm1(x)
         q_old_log_q = torch.sub(c.q_old_zero, e, out=e).log_().mul_(c.q_old)
-        d = _binary_kl_finish(c.kl_constant, c.p_old, x, q_old_log_q)
-        over = indicator(torch.gt, d, c.a, out=d)
-        log_ratio, ratio, _ = capped_ratio(x, c.old)
-        still = indicator(torch.le, log_ratio.mul_(c.b), 0.0, out=log_ratio)   # 1 - moved
-        keep = indicator(torch.le, over, still, out=over)                     # 1 - over · moved
+        t = _binary_kl_sum(c.p_old, x, q_old_log_q)
+        over = indicator(torch.lt, t, c.kl_constant, out=t)   # D > δ: t < constant - δ
+        # keep = 1 - over · moved, moved = 1{b (x - log π_old) > 0}: over · b log r <= 0
+        log_ratio = x - c.old
+        keep = indicator(torch.le, over.mul_(log_ratio).mul_(c.b), 0.0, out=over)
+        if capped_anywhere(log_ratio):
+            log_ratio.clamp_(max=MAX_LOG_RATIO)
+        ratio = log_ratio.exp_()
     weight = ratio if part.cap is None else ratio.clamp(max=part.cap)
     clipped = _clipped_bool(keep) if request.metrics else None
     coef = keep.mul_(weight).mul_(wA)

@@ -66,17 +66,12 @@ def _binary_kl_constant(p_old: torch.Tensor, logp_old: torch.Tensor, q_old: torc
     return p_old * logp_old + _xlogy(q_old, q_old)
 
 
-def _binary_kl_from(constant: torch.Tensor, p_old: torch.Tensor, logp: torch.Tensor,
-                   q_old: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``D = constant - (q_old log q + p_old log p)``, the binary KL of ``(p_old, q_old)`` from
-    ``(p, q)``, with ``q`` overwritten (the formula of DPPO's mask on both loss paths)."""
-    return _binary_kl_finish(constant, p_old, logp, _xlogy_(q_old, q))
-
-
-def _binary_kl_finish(constant: torch.Tensor, p_old: torch.Tensor, logp: torch.Tensor,
-                     q_old_log_q: torch.Tensor) -> torch.Tensor:
-    """``constant - (q_old log q + p_old log p)`` written over ``q_old_log_q``."""
-    return torch.sub(constant, q_old_log_q.addcmul_(p_old, logp), out=q_old_log_q)
+def _binary_kl_sum(p_old: torch.Tensor, logp: torch.Tensor, q_old_log_q: torch.Tensor
+                   ) -> torch.Tensor:
+    """``q_old log q + p_old log p`` written over ``q_old_log_q``: the binary KL is
+    ``D = constant - this``, so ``D > δ`` is ``this < constant - δ`` (the formula of DPPO's mask
+    on both loss paths)."""
+    return q_old_log_q.addcmul_(p_old, logp)
 
 
 def dppo_keep_mask(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
@@ -121,10 +116,14 @@ def dppo_keep_mask(logprobs_RC: torch.Tensor, old_logprobs_RC: torch.Tensor,
             up, down = p - p_old > delta_high, p - p_old < -delta_low
         else:
             q, q_old = -torch.expm1(logp), -torch.expm1(logp_old)     # 1 - p, 1 - p_old
-            d = _binary_kl_from(_binary_kl_constant(p_old, logp_old, q_old), p_old, logp, q_old,
-                               q)
+            # D > δ as q_old log q + p_old log p < constant - δ
+            t = _binary_kl_sum(p_old, logp, _xlogy_(q_old, q))
+            constant = _binary_kl_constant(p_old, logp_old, q_old)
+            scalar = constant.new_tensor
+            over_high = t < constant - scalar(delta_high)
+            over_low = t < constant - scalar(delta_low)
             # the direction on the log-probs: the same as p > p_old (exp increases), exactly
-            up, down = (d > delta_high) & (logp > logp_old), (d > delta_low) & (logp < logp_old)
+            up, down = over_high & (logp > logp_old), over_low & (logp < logp_old)
         pos = advantages_RC > 0
         return ~torch.where(pos, up, down)
 
