@@ -54,10 +54,10 @@ seeds), ``phase.png`` (the phase diagram), ``summary.json``, ``outcomes.json`` (
 Configurations (``--config``):
 
 * ``cpu`` — the tiny MoE on the CPU, 84 runs (80 steps; the room group 120) with
-  ``--workers 2``: measured 55 minutes on a 2-core machine that two other jobs shared (load
-  average about 5; an earlier run of the 66 runs without the room group took 19 minutes on a
-  less loaded one), about 30 minutes on the two cores alone by that earlier rate; a benchmark,
-  not a test;
+  ``--workers 2``: measured 45 minutes of runs and 1.5 of SFT on a 2-core machine that two other
+  jobs shared (load average about 5; an earlier run of the 66 runs without the room group took
+  19 minutes on a less loaded one, which puts this one near 30 minutes on the two cores alone);
+  a benchmark, not a test;
 * ``gpu`` — a wider model, bigger batches and four lengths on one GPU, sized **by estimate, not
   measured** (written without a GPU) for about 8 minutes on one H200 with ``--workers 12`` (120
   runs of 100 steps, the room group 150, share the GPU, at an assumed 0.4 s per step);
