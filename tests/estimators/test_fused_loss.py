@@ -113,14 +113,14 @@ def _noisy(step, scale, seed=0):
                                                   dtype=step.dtype)
 
 
-def test_every_estimator_but_ctpo_has_a_fused_path():
+def test_every_estimator_has_a_fused_path():
     batch = fixture()
     unfused = []
     for name in FUSED:
         est = _estimator(name)
         if not _has_plan(E.prepare(batch, est, max_len=8), est):
             unfused.append(name)
-    assert unfused == ["ctpo"], unfused
+    assert unfused == [], unfused
 
 
 @pytest.mark.parametrize("name", FUSED)

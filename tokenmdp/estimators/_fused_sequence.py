@@ -1,5 +1,5 @@
 """Fused kernels of the sequence-coupled surrogates: sequence IS, GSPO, GMPO, OPSM, per-decision
-IS (not public API).
+IS, CTPO (not public API).
 
 A token's gradient under these depends on the other tokens of its sequence (a geometric mean,
 a sequence mask, a prefix product), so each kernel reduces over sequences. The reductions are
@@ -37,6 +37,7 @@ from tokenmdp.estimators._fused import (
     scaled,
 )
 from tokenmdp.estimators._fused_surrogates import ppo_bounds
+from tokenmdp.estimators.ctpo import CTPOClip, ctpo_bounds
 from tokenmdp.estimators.per_decision import PerDecisionRatio
 from tokenmdp.estimators.sequence_surrogates import GSPO, GSPOToken, SequenceRatio
 from tokenmdp.estimators.soft_surrogates import GMPO
@@ -186,7 +187,7 @@ class Prefix(NamedTuple):
     mask_f: torch.Tensor
 
 
-def _per_decision_constants(part, batch, weight_RC):
+def _prefix_constants(part, batch, weight_RC):
     if batch.loss_mask.numel() == 0:
         return None
     sampling = require(batch, part.requires[0], f"surrogate {part.describe()}")
@@ -198,26 +199,32 @@ def _per_decision_constants(part, batch, weight_RC):
                   batch.loss_mask.to(batch.dtype))
 
 
+def _prefix_sum(values_RC, c):
+    """Each loss token's sum of ``values_RC`` over its sequence's loss tokens up to it (the
+    values must be 0 off the loss tokens), 0 elsewhere: the dense ``[S + 1, width]`` view."""
+    values = values_RC.reshape(-1)
+    dense = values.new_zeros(c.shape[0] * c.shape[1])
+    dense.index_copy_(0, c.cell, values)
+    cum = dense.view(c.shape).cumsum(1).view(-1).index_select(0, c.cell)
+    return cum.mul_(c.mask_f.reshape(-1)).view_as(values_RC)
+
+
 def _per_decision(part, x, batch, c, request):
     """``ρ_{1:t} Â``: value ``Σ wA exp(min(cum, 20))``, coefficient ``wA ρ_{1:t} 1{cum <= 20}``
     with ``cum`` the prefix sum of ``log ρ`` over the sequence's loss tokens."""
     wA = scaled(c.wA, request)
-    values = torch.sub(x, c.sampling).mul_(c.mask_f).reshape(-1)
-    dense = values.new_zeros(c.shape[0] * c.shape[1])
-    dense.index_copy_(0, c.cell, values)
-    cum = dense.view(c.shape).cumsum(1).view(-1).index_select(0, c.cell)
-    cum = cum.mul_(c.mask_f.reshape(-1)).view_as(x)
-    ratio = cum.clamp(max=MAX_LOG_RATIO).exp_()
+    cum = _prefix_sum(torch.sub(x, c.sampling).mul_(c.mask_f), c)
+    capped = capped_anywhere(cum)
+    ratio = cum.clamp(max=MAX_LOG_RATIO).exp_() if capped else torch.exp(cum)
     total = dot(wA, ratio)
     clipped = ((cum > MAX_LOG_RATIO) & batch.loss_mask) if request.metrics else None
     coef = None
     if request.grad:
-        coef = (below_cap(cum, reuse=True).mul_(ratio) if capped_anywhere(cum)
-                else ratio).mul_(wA)
+        coef = (below_cap(cum, reuse=True).mul_(ratio) if capped else ratio).mul_(wA)
     return FusedTerms(total, coef, clipped)
 
 
-register(PerDecisionRatio, _per_decision_constants, _per_decision)
+register(PerDecisionRatio, _prefix_constants, _per_decision)
 
 
 # ---------------------------------------------------------------------- GSPO, GSPO-token
@@ -312,3 +319,48 @@ def _sequence_ratio(part, x, batch, c, request):
 
 
 register(SequenceRatio, _sequence_ratio_constants, _sequence_ratio)
+
+
+# ---------------------------------------------------------------------- CTPO
+class Windowed(NamedTuple):
+    """CTPO's step constants: the prefix layout (:class:`Prefix`) and the log-space clamp
+    bounds of the held cumulative log-ratio: ``(-∞, hi_t)`` where ``Â > 0``, ``(lo_t, c_t)``
+    elsewhere (:func:`~tokenmdp.estimators.ctpo_bounds`)."""
+
+    prefix: Prefix
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+
+def _ctpo_constants(part, batch, weight_RC):
+    prefix = _prefix_constants(part, batch, weight_RC)
+    if prefix is None:
+        return None
+    lo, hi, c = ctpo_bounds(batch, clip_low=part.clip_low, clip_high=part.clip_high,
+                            dual_clip=part.dual_clip, power=part.power)
+    positive = batch.advantage > 0
+    return Windowed(prefix, torch.where(positive, lo.new_tensor(-INF), lo),
+                    torch.where(positive, hi, c))
+
+
+def _ctpo(part, x, batch, c, request):
+    """CTPO's ``exp(clamp(min(L_t, m), lo, hi)) Â``, ``L_t`` the prefix sum of the log-ratios
+    held to ``[-20, 20]``: coefficient ``wA exp(min(L_t, m)) 1{unclipped} 1{L_t <= m}``."""
+    p = c.prefix
+    wA = scaled(p.wA, request)
+    log_r = torch.sub(x, p.sampling).clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO).mul_(p.mask_f)
+    cum = _prefix_sum(log_r, p)
+    held = cum.clamp(max=part.max_log_ratio)
+    window = torch.clamp(held, c.lo, c.hi)
+    free = indicator(torch.eq, window, held, out=held)
+    free.mul_(indicator(torch.le, cum, part.max_log_ratio, out=cum))
+    value = window.exp_()
+    total = dot(wA, value)
+    clipped = None
+    if request.metrics:
+        clipped = (free == 0) & batch.loss_mask & (batch.advantage != 0)
+    coef = free.mul_(value).mul_(wA) if request.grad else None
+    return FusedTerms(total, coef, clipped)
+
+
+register(CTPOClip, _ctpo_constants, _ctpo)

@@ -9,8 +9,8 @@ them, so the micro-batch losses sum to the full-step loss::
 (``c`` the detached correction factor ``π_old/μ``, ``β k`` a KL-in-loss penalty).
 :func:`per_micro_batch_token_mean_loss` is the counter-example that renormalizes per micro-batch.
 
-When every part of the estimator has a fused kernel (all the registry's parts but CTPO's
-clipped prefix ratio), the loss and its gradient are computed in one pass without autograd
+When every part of the estimator has a fused kernel (every registry estimator's parts have
+one), the loss and its gradient are computed in one pass without autograd
 (``tokenmdp/estimators/_fused.py``): the same numbers as the parts' autograd terms up to the
 order of floating-point products, at a fraction of the memory traffic.
 """
