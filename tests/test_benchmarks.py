@@ -57,11 +57,16 @@ def test_model_benchmark_refuses_flex_on_the_cpu():
 
 def test_losses_benchmark_small():
     out = run_script("losses.py", "--tokens", "20000", "--repeats", "1", "--threads", "1",
-                     "--estimators", "reinforce,grpo,gspo")
-    for name in ("reinforce", "grpo", "gspo"):
+                     "--estimators", "reinforce,grpo,gspo,gmpo")
+    for name in ("reinforce", "grpo", "gspo", "gmpo"):
         assert name in out, out
     for promise in ("+metrics", "loss only", "with head", "verl block", "target <= 1.0x"):
         assert promise in out, out
+    # the kind column is measured: GSPO's and GMPO's token gradients couple their sequence
+    kinds = {line.split()[0]: line.split()[1] for line in out.splitlines()
+             if line.split()[:1] and line.split()[0] in ("reinforce", "grpo", "gspo", "gmpo")}
+    assert kinds == {"reinforce": "token", "grpo": "token", "gspo": "sequence",
+                     "gmpo": "sequence"}, out
 
 
 def test_packing_benchmark_small():
