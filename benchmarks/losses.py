@@ -25,14 +25,17 @@ on the step's constants (advantages, loss weights, correction factors, a Clip-Co
 selection, self-normalizers: everything ``prepare`` computes from the detached fields): its loss
 is a sum of per-token functions, which a fused elementwise pass computes. It is
 *sequence-coupled* when a token's gradient also depends on the current ``log π_θ`` of other
-tokens, through a reduction over its sequence: a sequence ratio (sequence IS, GSPO, SNIS per
-sequence), GMPO's geometric mean of the clipped token ratios (each token's gradient carries the
-whole sequence's ``g_i``), the prefix products ``ρ_{1:t}`` of per-decision IS and CTPO, or
-OPSM's sequence mask (the mean ``log(μ/π_θ)`` over the sequence decides whether a token keeps
-its gradient). :func:`kind` tests this directly on a small packed step: it evaluates the
-gradient at two random log-prob arrays ``a`` and ``b`` and at their token-wise mix (``a`` on a
-random half of the tokens, ``b`` on the rest); the estimator is per-token iff the mix's
-gradient is ``a``'s on the first half and ``b``'s on the second.
+tokens, through a reduction over its sequence: a sequence ratio (sequence IS and sequence
+SNIS's ``ρ(y)``, GSPO's and GSPO-token's geometric mean ``s_i``), GMPO's geometric mean of the
+clipped token ratios (each token's gradient carries the whole sequence's ``g_i``), the prefix
+products ``ρ_{1:t}`` of per-decision IS and CTPO, or OPSM's sequence mask (the mean
+``log(μ/π_θ)`` over the sequence decides whether a token keeps its gradient). A correction
+formed per sequence from the detached ``π_old/μ`` (TRL's sequence MIS, a sequence rejection)
+is a step constant and leaves an estimator per-token. :func:`kind` tests this directly on a
+small packed step: it evaluates the gradient at two random log-prob arrays ``a`` and ``b`` and
+at their token-wise mix (``a`` on a random half of the tokens, ``b`` on the rest); the
+estimator is per-token iff the mix's gradient is ``a``'s on the first half and ``b``'s on the
+second.
 
 Last, the token-level loss path against the bare loss block of verl, written here from its
 documented formula (``verl.trainer.ppo.core_algos.compute_policy_loss``, the ``vanilla`` mode:
