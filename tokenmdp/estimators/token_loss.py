@@ -95,8 +95,7 @@ def _loss(logprobs_RC, batch, estimator, *, metrics: bool, fused: bool):
     # graph; the terms are finite off the loss tokens (log-probs 0 there, ratios capped), so
     # their zero weight removes them. They are constants of the step: computed once per
     # (batch, estimator) and reused by later calls (_step_constants).
-    factor, weight_RC, surrogate_weight_RC = constants.factor, constants.weight_RC, \
-        constants.surrogate_weight_RC
+    weight_RC, surrogate_weight_RC = constants.weight_RC, constants.surrogate_weight_RC
     total = -_weighted_sum(surrogate_weight_RC, terms.term_RC)
     k_RC = None
     if estimator.kl is not None and not estimator.kl.in_reward:
@@ -107,7 +106,7 @@ def _loss(logprobs_RC, batch, estimator, *, metrics: bool, fused: bool):
         total = total + logprobs_RC.sum()                      # gradient, not a graph error
     if not metrics:
         return total, {}
-    return total, _all_metrics(logprobs_RC, batch, estimator, terms, factor.keep_RC, k_RC)
+    return total, _all_metrics(logprobs_RC, batch, estimator, terms, constants, k_RC)
 
 
 def _fused_loss(logprobs_RC, batch, estimator, constants, metrics):
@@ -135,19 +134,31 @@ def _fused_loss(logprobs_RC, batch, estimator, constants, metrics):
     if not metrics:
         return total, {}
     surrogate_terms = SurrogateTerms(None, terms.clipped_RC, terms.ratio_RC)
-    return total, _all_metrics(x, batch, estimator, surrogate_terms, constants.factor.keep_RC,
-                               k_RC)
+    return total, _all_metrics(x, batch, estimator, surrogate_terms, constants, k_RC)
 
 
-def _all_metrics(logprobs_RC, batch, estimator, terms, keep_RC, k_RC):
+def _all_metrics(logprobs_RC, batch, estimator, terms, constants, k_RC):
     """:func:`_metrics` and, with both old and behavior log-probs, the correction's
-    diagnostics."""
+    diagnostics; the metrics of the step's data alone (the training–inference KL, the
+    correction's diagnostics) are computed once per step and cached with its constants."""
+    cache = constants.step_metrics
     with torch.no_grad():
-        out = _metrics(logprobs_RC, batch, terms, keep_RC, k_RC)
+        out = _metrics(logprobs_RC, batch, terms, constants.factor.keep_RC, k_RC, cache)
         if batch.old_logprob is not None and batch.behavior_logprob is not None:
             level = getattr(estimator.correction, "level", Level.TOKEN)
-            out.update(correction_diagnostics(batch, sequence=level is not Level.TOKEN))
+            out.update(_cached(cache, "correction", lambda: correction_diagnostics(
+                batch, sequence=level is not Level.TOKEN)))
     return out
+
+
+def _cached(cache: dict | None, key: str, compute) -> dict[str, torch.Tensor]:
+    """``compute()`` (a dict of 0-dim tensors), kept in ``cache`` under ``key`` after its first
+    call; copies are returned (a caller may change its metrics in place)."""
+    if cache is None:
+        return compute()
+    if key not in cache:
+        cache[key] = compute()
+    return {name: value.clone() for name, value in cache[key].items()}
 
 
 class _Plan(NamedTuple):
@@ -166,6 +177,7 @@ class _Constants(NamedTuple):
     weight_RC: torch.Tensor
     surrogate_weight_RC: torch.Tensor
     plan: _Plan | None
+    step_metrics: dict
 
 
 #: The fields a step constant is computed from (their in-place changes invalidate it).
@@ -191,7 +203,7 @@ def _step_constants(batch: TokenBatch, estimator: Estimator):
         surrogate_weight_RC = (weight_RC if factor.factor_RC is None
                                else weight_RC * factor.factor_RC)
         value = _Constants(factor, weight_RC, surrogate_weight_RC,
-                           _plan(batch, estimator, weight_RC, surrogate_weight_RC))
+                           _plan(batch, estimator, weight_RC, surrogate_weight_RC), {})
     key = id(batch)
     _constants[key] = (weakref.ref(batch, lambda _, key=key: _constants.pop(key, None)),
                        estimator, versions, value)
@@ -218,7 +230,7 @@ def _weighted_sum(weight_RC: torch.Tensor, values_RC: torch.Tensor) -> torch.Ten
     return torch.dot(weight_RC.reshape(-1), values_RC.reshape(-1))
 
 
-def _metrics(logprobs_RC, batch, terms, keep_RC, k_RC) -> dict[str, torch.Tensor]:
+def _metrics(logprobs_RC, batch, terms, keep_RC, k_RC, cache=None) -> dict[str, torch.Tensor]:
     """The diagnostics of :func:`loss` (under ``no_grad``). Sums over the loss tokens are dot
     products with the 0/1 mask (every tensor summed is finite off the loss tokens) and
     temporaries are updated in place: on a large step these passes are bound by memory."""
@@ -259,10 +271,12 @@ def _metrics(logprobs_RC, batch, terms, keep_RC, k_RC) -> dict[str, torch.Tensor
         out[f"{key}_mean"] = mean(ratio, 1.0)
         out[f"{key}_max"] = torch.where(has, hi, 1.0)
     if batch.old_logprob is not None and batch.behavior_logprob is not None:
-        log_q = batch.old_logprob - batch.behavior_logprob  # log(π_old/μ), tokens drawn from μ
-        out["train_infer_kl_k1"] = 0.0 - mean(log_q, 0.0)
-        k3 = log_q.clamp(max=MAX_LOG_RATIO).expm1_().sub_(log_q)  # expm1: k3 >= 0 near r = 1
-        out["train_infer_kl_k3"] = mean(k3, 0.0)
+        def train_infer_kl():
+            log_q = batch.old_logprob - batch.behavior_logprob  # log(π_old/μ), drawn from μ
+            k3 = log_q.clamp(max=MAX_LOG_RATIO).expm1_().sub_(log_q)  # expm1: k3 >= 0 near 1
+            return {"train_infer_kl_k1": 0.0 - mean(log_q, 0.0),
+                    "train_infer_kl_k3": mean(k3, 0.0)}
+        out.update(_cached(cache, "train_infer_kl", train_infer_kl))
     if k_RC is not None:  # the estimate k of KL(π_θ ‖ π_ref) of a KL-in-loss penalty
         out["kl_ref"] = mean(k_RC, 0.0)
     return out
