@@ -15,7 +15,6 @@ The PPO mask ``M`` as a clamp: ``min(r Â, clip(r) Â)`` (with dual clip ``c``:
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -244,9 +243,9 @@ register(SAPO, _sapo_constants, _sapo)
 # ---------------------------------------------------------------------- DPPO
 class Divergence(NamedTuple):
     """DPPO's step constants: ``wA``, ``log π_old``, ``p_old`` and the bounds of its mask
-    (``tv``: the clamp bounds of ``p - p_old``, ``1/p_old`` when finite and positive
-    everywhere; ``kl``: the threshold, the direction sign ``b = ±1``, ``q_old = 1 - p_old``,
-    ``1{q_old = 0}`` and the binary KL's constant part minus the threshold)."""
+    (``tv``: the clamp bounds of ``p - p_old``; ``kl``: the threshold, the direction sign
+    ``b = ±1``, ``q_old = 1 - p_old``, ``1{q_old = 0}`` and the binary KL's constant part minus
+    the threshold)."""
 
     wA: torch.Tensor
     old: torch.Tensor
@@ -256,7 +255,6 @@ class Divergence(NamedTuple):
     q_old: torch.Tensor | None = None
     q_old_zero: torch.Tensor | None = None
     kl_constant: torch.Tensor | None = None
-    inv_p_old: torch.Tensor | None = None
 
 
 def _dppo_constants(part, batch, weight_RC):
@@ -265,11 +263,9 @@ def _dppo_constants(part, batch, weight_RC):
     pos = A > 0
     p_old = old.exp()
     if part.divergence == "tv":   # keep iff p - p_old <= δ_high (Â > 0), >= -δ_low (Â <= 0)
-        inv = torch.exp(-old)
-        inv = inv if bool(torch.isfinite(inv).all()) and bool((inv > 0).all()) else None
         a = torch.where(pos, scalar(-INF), -scalar(part.delta_low))
         b = torch.where(pos, scalar(part.delta_high), scalar(INF))
-        return Divergence(weight_RC * A, old, p_old, a, b, inv_p_old=inv)
+        return Divergence(weight_RC * A, old, p_old, a, b)
     # drop iff D > δ and p moved the advantage's way: b (x - log π_old) > 0, b = ±1
     a = torch.where(pos, scalar(part.delta_high), scalar(part.delta_low))
     b = torch.where(pos, scalar(1.0), scalar(-1.0))
@@ -286,19 +282,11 @@ def _dppo(part, x, batch, c, request):
     wA = scaled(c.wA, request)
     if part.divergence == "tv":
         p = x.exp()
-        ratio = None
-        if c.inv_p_old is not None and not request.metrics and x.device.type == "cpu":
-            # r = p / p_old from the p at hand (within a few ulps of exp(log π - log π_old), a
-            # weight of the gradient only: the metrics read the exact ratio), unless some
-            # ratio comes near the cap e^20 (or p overflowed); on CPU, where the check of the
-            # cap is no device synchronization
-            ratio = torch.mul(p, c.inv_p_old)
-            if not bool(ratio.max() < _RATIO_BOUND):
-                ratio = None
         diff = p.sub_(c.p_old)
         keep = indicator(torch.eq, torch.clamp(diff, c.a, c.b), diff)
-        if ratio is None:
-            ratio = ratio_only(x, c.old)
+        # the exact ratio whether or not metrics are asked for: metrics=False is the same loss
+        # and gradient bit for bit
+        ratio = ratio_only(x, c.old)
     else:
         # q = -expm1(x), + 1 where q_old = 0 (q_old log q is 0 there either way): off the loss
         # tokens x = 0 makes q = 0, and a log over a vector holding 0 is slow for all of it;
@@ -319,7 +307,6 @@ def _dppo(part, x, batch, c, request):
     return FusedTerms(dot(coef, x), coef if request.grad else None, clipped, ratio)
 
 
-_RATIO_BOUND = 0.5 * math.exp(MAX_LOG_RATIO)
 register(DPPO, _dppo_constants, _dppo)
 
 
