@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
-import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay_study import _worker  # noqa: E402
+from replay_study import run_all as _run_all  # noqa: E402
 
 MODEL_CPU = dict(d_model=64, n_layers=2, n_heads=4, n_experts=4, top_k=2, expert_hidden=64)
 CONFIGS = {
@@ -194,22 +191,5 @@ def engine_accuracy(cfg, checkpoint: str) -> float:
 
 
 def run_all(cfgs: list, workers: int, specs: list[dict]) -> list[dict]:
-    """Every run in a pool of ``workers`` spawned processes (one intra-op thread each)."""
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        with ProcessPoolExecutor(max_workers=workers,
-                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_worker, cfg) for cfg in cfgs]
-            outcomes = []
-            for spec, fut in zip(specs, futures):
-                outcomes.append(fut.result())
-                print(f"  {spec['name']:30s} seed {spec['seed']}: {outcomes[-1]['wall_s']:6.1f} s"
-                      f"{'  ' + outcomes[-1]['error'] if outcomes[-1]['error'] else ''}",
-                      flush=True)
-    finally:
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
-    return outcomes
+    """Every run in a pool of ``workers`` spawned processes (``replay_study.run_all``)."""
+    return _run_all(cfgs, workers, specs, width=30)

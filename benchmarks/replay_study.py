@@ -164,6 +164,30 @@ def _worker(cfg) -> dict:
     return {"wall_s": time.perf_counter() - t0, "error": error}
 
 
+def run_all(cfgs: list, workers: int, specs: list[dict], *, width: int = 24) -> list[dict]:
+    """Every run in a pool of ``workers`` spawned processes (one intra-op thread each: spawn
+    starts a clean interpreter, with no inherited OpenMP / torch thread state); one line per
+    finished run, its name padded to ``width``."""
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        with ProcessPoolExecutor(max_workers=workers,
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_worker, cfg) for cfg in cfgs]
+            outcomes = []
+            for spec, fut in zip(specs, futures):
+                outcomes.append(fut.result())
+                error = outcomes[-1]["error"]
+                print(f"  {spec['name']:{width}s} seed {spec['seed']}: "
+                      f"{outcomes[-1]['wall_s']:6.1f} s{'  ' + error if error else ''}", flush=True)
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+    return outcomes
+
+
 def train_sft(args) -> tuple[str, float, float, int]:
     """SFT in chunks of ``check`` steps (exact resume) until the held-out accuracy (the RL runs'
     split and engine) reaches ``target``, or ``max_steps``: a starting point with room for RL,
@@ -347,21 +371,7 @@ def main(argv=None) -> list[dict]:
     print(f"{len(specs)} runs, {workers} in parallel, {cfgs[0].steps} steps each, engine "
           f"{cfgs[0].rollout_precision}, device {cfgs[0].device} ...", flush=True)
     t_runs = time.perf_counter()
-    # spawn: each worker starts a clean interpreter (no inherited OpenMP / torch thread state)
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with ProcessPoolExecutor(max_workers=workers,
-                             mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_worker, cfg) for cfg in cfgs]
-        outcomes = []
-        for spec, fut in zip(specs, futures):
-            outcomes.append(fut.result())
-            print(f"  {spec['name']:24s} seed {spec['seed']}: {outcomes[-1]['wall_s']:6.1f} s"
-                  f"{'  ' + outcomes[-1]['error'] if outcomes[-1]['error'] else ''}", flush=True)
-    if env_threads is None:
-        del os.environ["OMP_NUM_THREADS"]
-    else:
-        os.environ["OMP_NUM_THREADS"] = env_threads
+    outcomes = run_all(cfgs, workers, specs)
     runs_s = time.perf_counter() - t_runs
 
     results, curves = [], {}
