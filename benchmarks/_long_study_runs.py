@@ -171,8 +171,8 @@ def engine_accuracy(cfg, checkpoint: str) -> float:
     import torch
 
     from tokenmdp.rl.rollout import RolloutEngine
+    from tokenmdp.rl.run_setup import build_model
     from tokenmdp.rl.tasks import get_task
-    from tokenmdp.rl.trainer import build_model
 
     task = get_task(cfg.task)
     model = build_model(cfg, task.tokenizer.vocab_size)

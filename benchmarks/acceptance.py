@@ -72,8 +72,9 @@ import torch
 
 from tokenmdp.rl.config import TrainConfig
 from tokenmdp.rl.rollout import RolloutEngine
+from tokenmdp.rl.run_setup import build_model
 from tokenmdp.rl.tasks import get_task
-from tokenmdp.rl.trainer import build_model, train
+from tokenmdp.rl.trainer import train
 
 MODEL = dict(d_model=64, n_layers=2, n_heads=4, n_experts=4, top_k=2, expert_hidden=64)
 """The tiny MoE of the acceptance run (shared by SFT and RL)."""

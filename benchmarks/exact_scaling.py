@@ -1,6 +1,6 @@
 """Time and peak memory of building an exact MDP and its J and ∇J, 10^3 .. 10^7 sequences.
 
-The pass of values down the prefix tree (:mod:`tokenmdp.exact.ground_truth`) is compared, in
+The pass of values down the prefix tree (:mod:`tokenmdp.exact.world.ground_truth`) is compared, in
 the same run, with a straightforward per-sequence Python loop (sum the token log-probs of each
 response, weight by its probability and reward, backpropagate) on the sizes where the loop
 finishes in time. Per size: the MDP's build (its reward table included), the tabular policy's
@@ -30,7 +30,7 @@ import time
 import torch
 
 from tokenmdp.exact import TabularPolicy, TokenMDP, gradient, objective
-from tokenmdp.exact.rewards import RandomTable
+from tokenmdp.exact.world.rewards import RandomTable
 
 VOCAB = 11            # b = 10 non-EOS tokens: sum_{k<=L} 10^k sequences
 LENGTHS = (3, 4, 5, 6, 7)  # 1.1e3 .. 1.1e7 sequences

@@ -7,7 +7,7 @@ dial, seeds and standard errors. A small-scale test of the qualitative findings 
 most 4 tokens and ``pi_old / mu`` stays within 1 ± 0.05: dropping the training-inference IS
 correction did not collapse training there. Here:
 
-* the task is :class:`~tokenmdp.rl.long_tasks.RunningSum` (``running_sum_L``: ``L`` answer
+* the task is :class:`~tokenmdp.rl.tasks.RunningSum` (``running_sum_L``: ``L`` answer
   digits, then EOS; exact-match reward), ``L = 64`` for the main grid;
 * the rollout engine runs in simulated fp8 *and* perturbs its logits with the dial
   ``rollout_logit_noise = sigma`` (:class:`~tokenmdp.rl.rollout.RolloutEngine`), so

@@ -37,13 +37,13 @@ import torch
 
 from tokenmdp import estimators as E
 from tokenmdp.exact import TabularPolicy, TokenMDP, inference_copy, moments, stale_copy
-from tokenmdp.exact.exchangeability import reduces_to_types
-from tokenmdp.exact.ground_truth import gradient, sequence_probs
-from tokenmdp.exact.group_draws import sampled_draws
-from tokenmdp.exact.moments import MAX_COVARIANCE_DIM, MomentsWorkspace, _streamed_monte_carlo
-from tokenmdp.exact.moments_result import _monte_carlo_moments
-from tokenmdp.exact.rewards import Parity
-from tokenmdp.exact.step_gradients import StepGradients
+from tokenmdp.exact.lab.exchangeability import reduces_to_types
+from tokenmdp.exact.lab.group_draws import sampled_draws
+from tokenmdp.exact.lab.moments import MAX_COVARIANCE_DIM, MomentsWorkspace, _streamed_monte_carlo
+from tokenmdp.exact.lab.moments_result import _monte_carlo_moments
+from tokenmdp.exact.lab.step_gradients import StepGradients
+from tokenmdp.exact.world.ground_truth import gradient, sequence_probs
+from tokenmdp.exact.world.rewards import Parity
 
 TARGETS_S = {8: 30.0, 16: 120.0}
 MEMORY_TARGET_GB = 4.0

@@ -7,7 +7,7 @@ cap. Rows hold ``CAPACITY = 4096`` tokens.
 
 The time baseline, run in the same process, is a plain item-by-item first-fit decreasing (a
 Python loop over sequences with a segment tree over rows for "first row with room"); the
-vectorized :func:`tokenmdp.packing.place_first_fit_decreasing` must give the same placement.
+vectorized :func:`tokenmdp.placement.place_first_fit_decreasing` must give the same placement.
 Times are best of ``--repeats`` runs. Memory is measured on real batches of ``--memory-sequences``
 sequences (float32, int64 ids, a routing record ``[R, C, 4 layers, top-2]`` of uint8) and
 extrapolated to all sequences from the bytes per row slot and per sequence.
@@ -23,14 +23,9 @@ import time
 import numpy as np
 import torch
 
-from tokenmdp.interop import from_token_lists
-from tokenmdp.packing import (
-    flat_layout,
-    pack_first_fit_decreasing,
-    padded_layout,
-    place_first_fit_decreasing,
-    place_in_order,
-)
+from tokenmdp.interop.padded import from_token_lists
+from tokenmdp.packing import flat_layout, pack_first_fit_decreasing, padded_layout
+from tokenmdp.placement import place_first_fit_decreasing, place_in_order
 
 CAPACITY = 4096
 MEDIAN, SIGMA, MAX_LEN = 200, 1.0, 4096

@@ -152,7 +152,8 @@ def _worker(cfg) -> dict:
     """One run in its own process, one intra-op thread; a diverged run is a result, not an error."""
     import torch
 
-    from tokenmdp.rl.trainer import NonFiniteError, train
+    from tokenmdp.rl.run_state import NonFiniteError
+    from tokenmdp.rl.trainer import train
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()

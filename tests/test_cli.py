@@ -75,7 +75,7 @@ def _table(printed: str) -> list[list[str]]:
 
 def test_compare_states_the_scenario_prints_a_legend_and_separated_columns(tmp_path, capsys):
     from tokenmdp.cli import COLUMNS
-    from tokenmdp.comparison import LEGEND
+    from tokenmdp.reports.comparison import LEGEND
 
     names = ["reinforce", "ppo", "gspo"]
     assert main(["compare", "--estimators", ",".join(names), "--out", str(tmp_path),
@@ -112,7 +112,7 @@ def test_compare_writes_c_star_consistent_with_its_own_moments(tmp_path, capsys)
 
 def test_c_star_minimizes_the_mse_over_a_grid_of_rescalings():
     from tokenmdp import estimators
-    from tokenmdp.comparison import Setup, build_lab, measure, rescaled_mse
+    from tokenmdp.reports.comparison import Setup, build_lab, measure, rescaled_mse
 
     lab = build_lab(Setup(max_len=2, method="exact"))
     for name in ("grpo", "rloo", "gspo"):                # gspo: cosine < 0, so c* = 0
@@ -155,9 +155,9 @@ def test_hints_name_the_clip_band_downhill_steps_and_the_raw_mse_winner(tmp_path
 
 def test_clip_band_share_matches_the_ground_truth_sequence_ratios():
     from tokenmdp import estimators
-    from tokenmdp.compare_hints import clip_band_share
-    from tokenmdp.comparison import Setup, build_lab
     from tokenmdp.exact import sequence_logprobs, sequence_probs
+    from tokenmdp.reports.comparison import Setup, build_lab
+    from tokenmdp.reports.hints import clip_band_share
 
     lab = build_lab(Setup(max_len=2, stale_distance=0.002))   # about half the sequences out
     mdp = lab.mdp
@@ -178,8 +178,8 @@ def test_clip_band_share_matches_the_ground_truth_sequence_ratios():
 
 
 def test_hints_find_coinciding_estimators_and_a_discrepancy_dominated_bias():
-    from tokenmdp.compare_hints import hints
-    from tokenmdp.comparison import Setup, build_lab, timed_row
+    from tokenmdp.reports.comparison import Setup, build_lab, timed_row
+    from tokenmdp.reports.hints import hints
 
     # on-policy: nothing clips, so PPO and DAPO (one prompt per batch: batch = group statistics)
     # have the same moments; GRPO's KL term keeps it apart
@@ -211,7 +211,7 @@ def test_compare_monte_carlo_rows_print_standard_errors(tmp_path, capsys):
 # ---------------------------------------------------------------------- estimator cards
 def test_estimators_name_prints_its_card_with_a_reference_row(capsys):
     from tokenmdp import estimators
-    from tokenmdp.cards import reference_rows
+    from tokenmdp.reports.cards import reference_rows
 
     assert main(["estimators", "grpo"]) == 0
     printed = capsys.readouterr().out

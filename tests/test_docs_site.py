@@ -40,14 +40,16 @@ def _public_modules_with_all():
     return found
 
 
-def test_every_public_module_is_in_the_api_reference_or_reexported_by_its_package():
+def test_every_public_module_is_in_the_api_reference_or_reexported_by_its_front_door():
     listed = {name for name, _ in site_gen.api_modules()}
     for name in _public_modules_with_all():
         if name in listed or name in NOT_IN_API:
             continue
-        package = importlib.import_module(name.rsplit(".", 1)[0])
+        parts = name.split(".")
+        doors = [importlib.import_module(".".join(parts[:i])) for i in range(1, len(parts))]
+        exported = {n for door in doors for n in getattr(door, "__all__", ())}
         module = importlib.import_module(name)
-        missing = [n for n in module.__all__ if n not in getattr(package, "__all__", ())]
+        missing = [n for n in module.__all__ if n not in exported]
         assert not missing, f"{name}: {missing} are neither on an API page nor re-exported"
 
 
@@ -57,16 +59,19 @@ def test_api_pages_list_exactly_each_modules_public_names(tmp_path, monkeypatch)
     documented = set()
     for module_name, _ in site_gen.api_modules():
         page = (tmp_path / "api" / f"{module_name.replace('.', '_')}.md").read_text()
-        block = page.split(".. autosummary::", 1)[1].split("```", 1)[0]
+        # a package's map without public names of its own has no autosummary block
+        block = page.split(".. autosummary::", 1)[1].split("```", 1)[0] \
+            if ".. autosummary::" in page else ""
         listed = set(re.findall(r"^   (\w+)$", block, flags=re.M))
         module = importlib.import_module(module_name)
-        for name in module.__all__:
+        for name in getattr(module, "__all__", ()):
             obj = getattr(module, name)
             if name.startswith("__") or inspect.ismodule(obj):
                 continue
             assert name in listed or f"`{name}`" in page, (module_name, name)
             documented.add(f"{module_name}.{name}")
-        assert listed <= set(module.__all__), (module_name, listed - set(module.__all__))
+        public = set(getattr(module, "__all__", ()))
+        assert listed <= public, (module_name, listed - public)
     index = (tmp_path / "api" / "index.md").read_text()
     assert all(name.replace(".", "_") in index for name, _ in site_gen.api_modules())
     assert "tokenmdp.exact.gradient" in documented and "tokenmdp.TokenBatch" in documented
@@ -80,7 +85,7 @@ def test_every_registry_entry_gets_a_card_page(tmp_path, monkeypatch):
     index = (tmp_path / "estimators" / "index.md").read_text()
     assert all(f"\n{name}\n" in index for name in estimators.names())  # in the toctree
     grpo = (tmp_path / "estimators" / "grpo.md").read_text()
-    entry = estimators.registry._entry("grpo")
+    entry = estimators.registry.lookup._entry("grpo")
     assert grpo.startswith("# ") and entry.formula in grpo and entry.paper in grpo
 
 

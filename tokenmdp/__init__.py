@@ -1,19 +1,36 @@
 """tokenmdp: the estimator theory of RL for language models, exact and runnable.
 
-Layers, bottom to top (lower layers never import upper ones):
+The package is a house: each floor imports only the floors below it, never sideways or up.
 
-* :mod:`tokenmdp.batch` (the one batch type, :class:`TokenBatch`), :mod:`tokenmdp.packing`,
-  :mod:`tokenmdp.distributed`, :mod:`tokenmdp.interop`;
-* :mod:`tokenmdp.estimators` — every estimator as a composition of pure functions of tensors;
-* :mod:`tokenmdp.exact` — an enumerable token MDP, its true objective and gradient, and the
-  exact bias and variance of any estimator;
-* :mod:`tokenmdp.model` (the tiny MoE transformer with routing record/replay) and
-  :mod:`tokenmdp.rl` (the rollout engine with its own numerics, routing replay R2/R3) — the
-  trainer world;
-* :mod:`tokenmdp.testing` (hypothesis strategies and invariance checks), :mod:`tokenmdp.plots`
-  and the command line :mod:`tokenmdp.cli`;
-* :mod:`tokenmdp.notebook` (the tutorials' helpers) and :mod:`tokenmdp.exercises` (their
-  exercises; ``tokenmdp.check(name, value)``, loaded on first use).
+Floors, top to bottom::
+
+    cli
+    course
+    reports, rl, testing, interop
+    exact, model
+    estimators
+    packing, distributed
+    batch
+    _batch_validation, placement
+
+* the narrow waist, at the bottom — :mod:`tokenmdp.batch` (:class:`TokenBatch`, the one batch
+  type both worlds share; its checks in ``_batch_validation``), :mod:`tokenmdp.placement` (where
+  each sequence goes), :mod:`tokenmdp.packing` (layouts and micro-batches) and
+  :mod:`tokenmdp.distributed` (step counts over data-parallel ranks);
+* :mod:`tokenmdp.estimators` — every estimator as a composition of pure functions of tensors,
+  the published ones by name in its registry;
+* the two worlds — :mod:`tokenmdp.exact` (an enumerable token MDP and the lattice: the true
+  objective, gradient and the exact bias and variance of any estimator) and
+  :mod:`tokenmdp.model` (the tiny MoE transformer with routing record and replay);
+* the front ends — :mod:`tokenmdp.rl` (the rollout engine, routing replay R2/R3 and the
+  trainer), :mod:`tokenmdp.testing` (hypothesis strategies and invariance checks),
+  :mod:`tokenmdp.interop` (Hugging Face batches, logits and models), :mod:`tokenmdp.reports`
+  (the compare table, its hints, the estimator cards, plots);
+* :mod:`tokenmdp.course` — the tutorials' setups, printouts, exercises (``tokenmdp.check``,
+  loaded on first use) and student editions; :mod:`tokenmdp.cli`, the command line, on top.
+
+So the estimators know no model, the exact world knows no trainer, the model knows no trainer,
+and nothing below the course knows it exists.
 
 Shape-suffix legend used in tensor names where a shape is not obvious:
 
@@ -34,7 +51,7 @@ def __getattr__(name: str):
     # ``tokenmdp.check`` (the tutorials' exercise checker) is loaded on first use, so that
     # ``import tokenmdp`` stays light and the lower layers never import the upper ones.
     if name == "check":
-        from tokenmdp.exercises import check
+        from tokenmdp.course.exercises import check
 
         return check
     raise AttributeError(f"module 'tokenmdp' has no attribute {name!r}")

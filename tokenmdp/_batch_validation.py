@@ -6,18 +6,16 @@ sequences, the response and loss mask) and runs when a batch is built;
 :func:`validate_float_changes` checks only what :meth:`TokenBatch.replace
 <tokenmdp.batch.TokenBatch.replace>` changes when it changes only float fields, whose layout was
 validated already. A violation raises ``ValueError`` (``TypeError`` for a value that is not a
-tensor) naming the field as ``TokenBatch.<field>``.
+tensor) naming the field as ``TokenBatch.<field>``. The checks read the batch's attributes;
+this module stands a floor below :mod:`tokenmdp.batch` and does not import it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from tokenmdp.batch import TokenBatch
 
 TOKEN_FLOAT_FIELDS = ("advantage", "behavior_logprob", "old_logprob", "ref_logprob", "loss_weight")
 SEQ_FLOAT_FIELDS = ("reward",)
@@ -28,7 +26,7 @@ def _fail(field: str, what: str) -> None:
     raise ValueError(f"TokenBatch.{field}: {what}")
 
 
-def validate(batch: TokenBatch) -> None:
+def validate(batch) -> None:
     """Raise unless ``batch`` satisfies every invariant of :mod:`tokenmdp.batch`."""
     for name in ("tokens", "sequence_id", "position", "loss_mask", "advantage", "loss_weight",
                  "reward", "group", "length", "prompt_index"):
@@ -126,7 +124,7 @@ def validate(batch: TokenBatch) -> None:
         _fail("loss_mask", "set on prompt tokens; only response tokens can be actions")
 
 
-def validate_float_changes(batch: TokenBatch, changes: Mapping[str, Any]) -> None:
+def validate_float_changes(batch, changes: Mapping[str, Any]) -> None:
     """Raise unless each of ``changes`` (float fields only) fits ``batch``: a tensor of the
     field's shape on the batch's device, in its float dtype, finite (``None`` for an optional
     log-prob)."""

@@ -3,17 +3,17 @@
 Subcommands:
 
 * ``tokenmdp compare`` — the main job: exact bias, variance and MSE of estimators on a small MDP
-  (:mod:`tokenmdp.comparison`), as a table with a legend and hints (:mod:`tokenmdp.compare_hints`),
+  (:mod:`tokenmdp.reports.comparison`), as a table with a legend and hints (:mod:`tokenmdp.reports.hints`),
   a PNG plot and CSV/JSON files;
 * ``tokenmdp estimators`` — the estimator registry as a table; ``tokenmdp estimators NAME`` — one
-  estimator's card (:mod:`tokenmdp.cards`);
+  estimator's card (:mod:`tokenmdp.reports.cards`);
 * ``tokenmdp exact`` — build a small token MDP and a policy, print the exact ``J`` and ``∇J``;
 * ``tokenmdp sft`` / ``tokenmdp train`` — the trainer (:mod:`tokenmdp.rl.trainer`), options generated
   from :class:`tokenmdp.rl.config.TrainConfig`;
 * ``tokenmdp plot`` — training curves of runs from their ``metrics.jsonl`` (:mod:`tokenmdp.rl.plot`);
 * ``tokenmdp tutorials`` — the tutorials and their exercises; ``tokenmdp tutorials --student
   OUT_DIR`` — their student editions (solutions stubbed, checks kept) beside the full ones
-  (:mod:`tokenmdp.student_editions`).
+  (:mod:`tokenmdp.course.student_editions`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tokenmdp.comparison import METHODS, POLICIES, REWARDS, SCENARIOS, Setup
+from tokenmdp.reports.comparison import METHODS, POLICIES, REWARDS, SCENARIOS, Setup
 
 __all__ = ["main", "make_parser"]
 
@@ -64,7 +64,7 @@ def _setup(args: argparse.Namespace, **fixed) -> Setup:
 
 def build_mdp_and_policy(args: argparse.Namespace):
     """The MDP and policy described by :func:`add_mdp_arguments`'s options."""
-    from tokenmdp.comparison import build_mdp
+    from tokenmdp.reports.comparison import build_mdp
 
     return build_mdp(_setup(args, scenario="on-policy"))
 
@@ -147,7 +147,7 @@ def _output_folder(value: str) -> Path:
 
 
 def _write_outputs(out: Path, rows: list[dict], config: dict, title: str) -> None:
-    from tokenmdp.plots import plot_comparison
+    from tokenmdp.reports.plots import plot_comparison
 
     keys = list(dict.fromkeys(k for r in rows for k in r))
     try:
@@ -166,9 +166,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
     from tokenmdp import estimators
-    from tokenmdp.compare_hints import hints
-    from tokenmdp.comparison import LEGEND, build_lab, describe_scenario, timed_row
     from tokenmdp.exact import sequence_kl
+    from tokenmdp.reports.comparison import LEGEND, build_lab, describe_scenario, timed_row
+    from tokenmdp.reports.hints import hints
 
     if args.threads < 1:
         raise ValueError(f"--threads: must be >= 1, got {args.threads}")
@@ -222,7 +222,7 @@ def cmd_estimators(args: argparse.Namespace) -> int:
         print(estimators.format_table())
         return 0
     estimators.describe(args.name)  # an unknown name fails here, with the registry's hint
-    from tokenmdp.cards import card_text, reference_rows
+    from tokenmdp.reports.cards import card_text, reference_rows
 
     print(card_text(args.name, reference_rows([args.name])[args.name]))
     return 0
@@ -230,7 +230,7 @@ def cmd_estimators(args: argparse.Namespace) -> int:
 
 def cmd_tutorials(args: argparse.Namespace) -> int:
     """List the tutorials, or write their student editions (solutions stubbed) and full ones."""
-    from tokenmdp.student_editions import find_tutorials, write_editions
+    from tokenmdp.course.student_editions import find_tutorials, write_editions
 
     if args.student is None:
         if args.overwrite or args.ipynb:
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = make_parser()
     args = parser.parse_args(argv)
-    from tokenmdp.rl.trainer import NonFiniteError
+    from tokenmdp.rl.run_state import NonFiniteError
 
     try:
         return int(args.func(args) or 0)

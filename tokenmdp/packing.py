@@ -33,7 +33,6 @@ import torch
 
 from tokenmdp.batch import TokenBatch
 from tokenmdp.placement import (
-    Placement,
     _check_int,
     place_first_fit_decreasing,
     place_flat,
@@ -41,12 +40,9 @@ from tokenmdp.placement import (
     place_padded,
 )
 
-__all__ = [
-    "MicroBatch", "Placement", "SequenceSpans", "fill_fraction", "flat_layout",
-    "pack_first_fit_decreasing", "pack_in_order", "padded_layout", "place_first_fit_decreasing",
-    "place_flat", "place_in_order", "place_padded", "relayout", "select_sequences",
-    "sequence_spans", "split_micro_batches",
-]
+__all__ = ["MicroBatch", "SequenceSpans", "fill_fraction", "flat_layout", "pack_first_fit_decreasing",
+           "pack_in_order", "padded_layout", "relayout", "select_sequences", "sequence_spans",
+           "split_micro_batches"]
 
 # Per-token fields moved as they are (``sequence_id`` and ``position`` are rebuilt from the
 # placement, ``token_extras`` is moved entry by entry) and per-sequence fields, gathered.

@@ -53,7 +53,8 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import tokenmdp
-from tokenmdp.course.t01 import (
+from tokenmdp.course.display import alias_box, show
+from tokenmdp.course.tutorials.t01 import (
     calibration_table,
     count_table,
     flat_grad_retained,
@@ -65,7 +66,7 @@ from tokenmdp.course.t01 import (
     route_agreement_table,
     route_table,
 )
-from tokenmdp.course.t01_figures import monte_carlo_figure, prefix_tree_figure
+from tokenmdp.course.tutorials.t01_figures import monte_carlo_figure, prefix_tree_figure
 from tokenmdp.exact import (
     LogLinearPolicy,
     NeuralPolicy,
@@ -80,7 +81,6 @@ from tokenmdp.exact import (
     state_visitation,
     values,
 )
-from tokenmdp.notebook import alias_box, show
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12  # two exact computations of the same float64 quantity

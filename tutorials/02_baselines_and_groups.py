@@ -55,7 +55,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import tokenmdp
-from tokenmdp.course import t02, t02_figures
+from tokenmdp.course.display import alias_box, show
+from tokenmdp.course.tutorials import t02, t02_figures
 from tokenmdp.estimators import (
     Advantage,
     GroupMean,
@@ -74,7 +75,6 @@ from tokenmdp.exact import (
     sequence_logprobs,
     sequence_probs,
 )
-from tokenmdp.notebook import alias_box, show
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12      # two exact float64 computations of the same O(1) quantity (absolute)

@@ -85,8 +85,10 @@ import matplotlib.pyplot as plt
 import torch
 
 import tokenmdp
-from tokenmdp.course import t03, t03_figures
-from tokenmdp.course.t03 import one_sample, response_scores, rloo
+from tokenmdp.course.display import alias_box, show, table
+from tokenmdp.course.setups import copy_task, ppo_clip_fraction
+from tokenmdp.course.tutorials import t03, t03_figures, t03_tables
+from tokenmdp.course.tutorials.t03 import one_sample, response_scores, rloo
 from tokenmdp.estimators import (
     ImportanceSampling,
     Level,
@@ -111,7 +113,6 @@ from tokenmdp.exact import (
     surrogate,
     values,
 )
-from tokenmdp.notebook import alias_box, copy_task, ppo_clip_fraction, show, table
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12  # two exact float64 computations of the same quantity
@@ -195,7 +196,7 @@ pairs = {
     "token IS": (from_pi_old(rloo(TokenRatio())),
                  from_pi_old(rloo(Reinforce(), ImportanceSampling(level=Level.TOKEN)), old=pi)),
 }
-compositions = t03.composition_table(pairs)
+compositions = t03_tables.composition_table(pairs)
 print(compositions)
 assert all(diff < EXACT_TOL and abs(dvar) < EXACT_TOL for *_, diff, dvar in compositions.rows)
 
@@ -234,7 +235,7 @@ for d in DISTANCES:
         seq=moments(mdp, pi, rloo(SequenceRatio()), group_size=G, behavior=stale, method=METHOD),
         tok=moments(mdp, pi, rloo(TokenRatio()), group_size=G, behavior=stale, method=METHOD)))
 
-print(t03.sweep_table(sweep))
+print(t03_tables.sweep_table(sweep))
 assert all(row["seq"].bias.norm() < EXACT_TOL for row in sweep)   # unbiased at every distance
 assert all(math.exp(row["kl"]) <= 1 + row["chi2"] + EXACT_TOL for row in sweep)
 
@@ -317,7 +318,7 @@ for T in LENGTHS:
     by_length.append(dict(T=T, **row))
     identities.append((T, 1 + chi_square(mdp_T, pi_T, mu_T), (1 + chi2_tok) ** T,
                        *second_moment(mdp_T, pi_T, mu_T, row["seq"])))
-print(t03.length_identity_table(identities))
+print(t03_tables.length_identity_table(identities))
 assert all(abs(seq_side - power) < EXACT_TOL for _, seq_side, power, _, _ in identities)
 assert all(abs(second - pred) < EXACT_TOL * max(1.0, pred) for *_, second, pred in identities)
 
@@ -331,7 +332,7 @@ assert all(abs(second - pred) < EXACT_TOL * max(1.0, pred) for *_, second, pred 
 # %%
 t03_figures.plot_length_variance(by_length, chi2_tok)
 plt.show()
-print(t03.length_ratio_table(by_length, chi2_tok))
+print(t03_tables.length_ratio_table(by_length, chi2_tok))
 
 # %% [markdown]
 # A per-token $\chi^2$ of 0.4 is large; in a real model it is tiny per token, but responses have
@@ -436,7 +437,7 @@ path = first_order_path(mdp, pi, direction, STEPS)
 # KL(π_θ(s) ‖ π_old) along the same path: the sequence KL and the largest per-state KL
 path_kl, path_max_state_kl = t03.path_kls(mdp, pi, direction, STEPS)
 
-print(t03.path_table(path, path_kl))
+print(t03_tables.path_table(path, path_kl))
 assert all(abs(p.sequence_is_improvement - p.true_improvement) < EXACT_TOL for p in path)
 assert all(abs(p.gap) <= p.bound for p in path)
 
@@ -517,7 +518,7 @@ print(f"gap / KL at the three smallest steps: "
 def exact_clip_fraction(mdp, pi, pi_old, eps):
     # E[#clipped tokens] / E[#tokens] for G = 2, Â_1 = R_1 - R_2, both responses drawn from π_old:
     # every response with every partner, probability D(x) π_old(y_1|x) π_old(y_2|x), a token
-    # clipped where ppo_keep_mask is False (tokenmdp.notebook.ppo_clip_fraction)
+    # clipped where ppo_keep_mask is False (tokenmdp.course.setups.ppo_clip_fraction)
     return ppo_clip_fraction(mdp, pi, pi_old, eps_low=eps, eps_high=eps)
 
 
@@ -557,7 +558,7 @@ for d in PPO_DISTANCES:
                     behavior=row["old"], method=METHOD)
         ppo[d, eps] = dict(m=m, clip=exact_clip_fraction(mdp, pi, row["old"], eps))
     ppo[d, math.inf] = dict(m=row["tok"], clip=0.0)                  # ε = ∞: token IS
-ppo_rows = t03.ppo_table(ppo, {row["distance"]: row["grad_L"] for row in sweep}, grad_J)
+ppo_rows = t03_tables.ppo_table(ppo, {row["distance"]: row["grad_L"] for row in sweep}, grad_J)
 print(ppo_rows)
 # nothing clipped: PPO is token IS, mean ∇L exactly
 assert all(to_L < EXACT_TOL for _, _, clip, _, to_L, *_ in ppo_rows.rows if clip == 0.0)
@@ -645,7 +646,7 @@ caps_above = {
                                               level=SEQ), is_seq),
 }
 same = {name: (with_correction(c), reference) for name, (c, reference) in caps_above.items()}
-print(t03.cap_table(same))
+print(t03_tables.cap_table(same))
 assert all((m.mean - reference.mean).abs().max() < EXACT_TOL
            and abs(m.total_variance - reference.total_variance) < EXACT_TOL
            for m, reference in same.values())
@@ -680,7 +681,7 @@ references = {"no correction": none, "IS token": is_tok, "IS sequence": is_seq,
 assert float(w_tok.min()) >= 0.5 and float(w_tok.max()) <= 5.0       # IcePop's band masks nothing
 assert (icepop.mean - is_tok.mean).abs().max() < EXACT_TOL
 # t03.mse(m, B) = ||E ĝ - ∇J||² + tr Cov[ĝ] / B
-print(t03.mse_table(references, curves, CAPS, B))
+print(t03_tables.mse_table(references, curves, CAPS, B))
 
 # %%
 t03_figures.plot_cap_tradeoff(curves, references, CAPS, B, tol=EXACT_TOL)

@@ -90,7 +90,8 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import tokenmdp
-from tokenmdp.course import t04
+from tokenmdp.course.display import alias_box, show
+from tokenmdp.course.tutorials import t04
 from tokenmdp.estimators import (
     Aggregation,
     Estimator,
@@ -117,14 +118,8 @@ from tokenmdp.exact import (
     sample,
     sequence_probs,
 )
-from tokenmdp.exact.step_gradients import state_action_jacobian
-from tokenmdp.notebook import alias_box, show
-from tokenmdp.packing import (
-    pack_first_fit_decreasing,
-    padded_layout,
-    select_sequences,
-    split_micro_batches,
-)
+from tokenmdp.exact.lab.step_gradients import state_action_jacobian
+from tokenmdp.packing import pack_first_fit_decreasing, padded_layout, select_sequences, split_micro_batches
 
 # Tiny tensors: one thread avoids thread synchronization, which dominates on a small or busy CPU.
 torch.set_num_threads(1)

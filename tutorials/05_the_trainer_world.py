@@ -69,7 +69,9 @@ import torch
 import tokenmdp
 from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
-from tokenmdp.course.t05 import (
+from tokenmdp.course.display import alias_box, table
+from tokenmdp.course.setups import copy_task
+from tokenmdp.course.tutorials.t05 import (
     batch_summary,
     binomial_se,
     evaluation_table,
@@ -80,18 +82,18 @@ from tokenmdp.course.t05 import (
     training_curves,
 )
 from tokenmdp.exact import inference_copy, sample, sequence_kl
-from tokenmdp.notebook import alias_box, copy_task, table
 from tokenmdp.rl.config import TrainConfig
-from tokenmdp.rl.rollout import (
+from tokenmdp.rl.mismatch import (
     ENGINE_ROUTING,
     OLD_ROUTING,
-    RolloutEngine,
     compute_old_logprobs,
     routing_mismatch_rate,
     training_inference_kl,
 )
+from tokenmdp.rl.rollout import RolloutEngine
+from tokenmdp.rl.run_setup import build_model
 from tokenmdp.rl.tasks import get_task
-from tokenmdp.rl.trainer import SFT_ESTIMATOR, build_model, train
+from tokenmdp.rl.trainer import SFT_ESTIMATOR, train
 
 torch.set_num_threads(1)
 

@@ -38,7 +38,7 @@
 # %% [markdown]
 # ## Setup
 #
-# The MDP is the one of tutorials 1 and 3, now built by `tokenmdp.notebook.copy_task()`: two
+# The MDP is the one of tutorials 1 and 3, now built by `tokenmdp.course.setups.copy_task()`: two
 # prompts, tokens $\{0, 1, \text{EOS}\}$, responses of at most $L = 3$ tokens, +1 per token that
 # copies the prompt and −1 for a truncated response. $\pi_{\text{old}}$ is its seeded tabular
 # policy. The policy being trained is $\pi_{\text{old}}$ moved by one optimizer step of length
@@ -47,7 +47,7 @@
 # Every estimator shares every part but the surrogate: leave-one-out advantage with $G = 2$
 # ($\hat A_1 = R_1 - R_2$), loss weight $1/S$ per token (sequence-mean of token sums), no
 # training–inference correction ($\mu = \pi_{\text{old}}$). That composition is
-# `tokenmdp.exercises.tr06_estimator(surrogate)`, the same one the exercises use.
+# `tokenmdp.course.exercises.tr06_estimator(surrogate)`, the same one the exercises use.
 
 # %%
 # %matplotlib inline
@@ -59,6 +59,9 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import tokenmdp
+from tokenmdp.course.display import alias_box, finish, show, table
+from tokenmdp.course.exercises import tr06_estimator
+from tokenmdp.course.setups import copy_task, ppo_clip_fraction, step_along
 from tokenmdp.estimators import (
     CISPO,
     GSPO,
@@ -88,9 +91,7 @@ from tokenmdp.exact import (
     trust_region_bound,
     values,
 )
-from tokenmdp.exact.first_order import max_state_tv
-from tokenmdp.exercises import tr06_estimator
-from tokenmdp.notebook import alias_box, copy_task, finish, ppo_clip_fraction, show, step_along, table
+from tokenmdp.exact.analysis.first_order import max_state_tv
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12  # two exact float64 computations of the same quantity

@@ -41,7 +41,7 @@
 # %% [markdown]
 # ## Setup
 #
-# The MDP and $\pi_{\text{old}}$ are the course's (`tokenmdp.notebook.copy_task()`: two prompts,
+# The MDP and $\pi_{\text{old}}$ are the course's (`tokenmdp.course.setups.copy_task()`: two prompts,
 # tokens $\{0, 1, \text{EOS}\}$, at most 3 response tokens, +1 per token that copies the prompt,
 # −1 for a truncated response). The trainer is at its first mini-batch, so $\pi_\theta =
 # \pi_{\text{old}}$ (section 4 adds a stale step). Groups have $G = 2$ responses. The notebook's
@@ -58,6 +58,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import tokenmdp
+from tokenmdp.course.display import alias_box, finish, show, table
+from tokenmdp.course.setups import copy_task, step_along
 from tokenmdp.estimators import (
     Aggregation,
     Correction,
@@ -86,8 +88,7 @@ from tokenmdp.exact import (
     state_logprobs,
     state_visitation,
 )
-from tokenmdp.exact.chi_square import chi_square
-from tokenmdp.notebook import alias_box, copy_task, finish, show, step_along, table
+from tokenmdp.exact.world.chi_square import chi_square
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12  # two exact float64 computations of the same quantity
@@ -137,7 +138,7 @@ print(f"{mdp.num_sequences} responses, {mdp.num_states} states, ||∇J(π_old)||
 # \chi^2(\pi_{\text{old}}\,\|\,\mu) = \mathbb{E}_\mu[w^2] - 1 = \operatorname{Var}_\mu[w],
 # $$
 #
-# is what importance sampling pays (tutorial 3, section 1). `tokenmdp.exact.chi_square.chi_square`
+# is what importance sampling pays (tutorial 3, section 1). `tokenmdp.exact.world.chi_square.chi_square`
 # gives it per response, $\sum_x D(x)\sum_y \pi_{\text{old}}(y|x)^2/\mu(y|x) - 1$, and per token,
 # the per-state $\chi^2_s$ averaged over the states $\mu$ visits. Jensen's inequality bounds it
 # below by the KL the other way round: $\log(1 + \chi^2(p\|q)) \ge \mathrm{KL}(p\|q)$.
@@ -435,7 +436,7 @@ assert all(abs(float(a) - e) < Z_TOL * float(s) for a, s, e in zip(mc, se, exact
 
 # %% [markdown]
 # The trainer logs the same four numbers per step, summed over all ranks before dividing
-# (`tokenmdp.estimators.weight_diagnostics`). Do they predict the bias? Each engine of the sweep of
+# (`tokenmdp.estimators.corrections.diagnostics`). Do they predict the bias? Each engine of the sweep of
 # section 3, eight sampled batches of 2000 responses each: the square root of the batches' mean
 # `is_seq_chi2`, with its standard error (delta method), on the horizontal axis, the exact bias of
 # the uncorrected estimator on the vertical one.

@@ -37,7 +37,7 @@
 # ## Setup
 #
 # The worlds are the copy task of tutorials 1, 3 and 6 (tokens $\{0, 1, \text{EOS}\}$, two
-# prompts, +1 per copied token, −1 if truncated), built by `tokenmdp.notebook.kl_world(L)`:
+# prompts, +1 per copied token, −1 if truncated), built by `tokenmdp.course.tutorials.t08.kl_world(L)`:
 # with responses of at most $L = 1$ token it is a **bandit** (one action per prompt), with
 # $L = 3$ a **sequence** task. In both, $\pi_{\text{ref}}$ is the seeded tabular policy and the
 # policy being regularized is $\pi = \pi_{\text{ref}}$ moved by a step of 3 along
@@ -52,25 +52,22 @@ import matplotlib.pyplot as plt
 import torch
 
 import tokenmdp
-from tokenmdp.estimators import Aggregation, Estimator, KLPenalty, Reinforce, kl_k1, kl_k3
-from tokenmdp.exact import gradient, moments, objective, sequence_kl, state_visitation
-from tokenmdp.exact.kl_gradients import (
-    kl_gradients,
-    kl_penalty_moments,
-    sampled_penalty_gradients,
-    state_kl,
-)
-from tokenmdp.notebook import (
-    alias_box,
-    finish,
+from tokenmdp.course.display import alias_box, finish, show, table
+from tokenmdp.course.setups import step_along
+from tokenmdp.course.tutorials.t08 import (
     kl_gradient_table,
     kl_matches,
     kl_placement_moments,
     kl_world,
     mean_and_sd,
-    show,
-    step_along,
-    table,
+)
+from tokenmdp.estimators import Aggregation, Estimator, KLPenalty, Reinforce, kl_k1, kl_k3
+from tokenmdp.exact import gradient, moments, objective, sequence_kl, state_visitation
+from tokenmdp.exact.analysis.kl_gradients import (
+    kl_gradients,
+    kl_penalty_moments,
+    sampled_penalty_gradients,
+    state_kl,
 )
 
 # Named tolerances for the checks in this notebook.

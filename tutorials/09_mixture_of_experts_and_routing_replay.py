@@ -45,7 +45,7 @@
 # %% [markdown]
 # ## Setup
 #
-# The MDP is the course's copy task (`tokenmdp.notebook.copy_task()`: two prompts, tokens
+# The MDP is the course's copy task (`tokenmdp.course.setups.copy_task()`: two prompts, tokens
 # $\{0, 1, \text{EOS}\}$, at most 3 response tokens, +1 per token that copies the prompt, −1 for a
 # truncated response). The policy $\pi_{\text{old}}$ is a float64 `MoETransformer`
 # (`tokenmdp.rl.replay_exact.moe_policy`: 2 layers, width 8, **top-2 of 4 experts** per layer,
@@ -53,7 +53,7 @@
 # are close). The engine $\mu$ is its copy in other numerics (`engine_model`): a lower precision,
 # or a fixed per-layer, per-expert bias $b \sim \mathcal N(0, \sigma^2)$ added to the router scores
 # for the top-$K$ *selection* only, as the rollout engine's `selection_noise` does (the gates stay
-# the softmax of the true scores). `tokenmdp.course.t09.tr09_world(σ)` builds the three together.
+# the softmax of the true scores). `tokenmdp.course.tutorials.t09.tr09_world(σ)` builds the three together.
 
 # %%
 # %matplotlib inline
@@ -62,7 +62,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import tokenmdp
-from tokenmdp.course.t09 import (
+from tokenmdp.course.display import alias_box, finish, show, table
+from tokenmdp.course.tutorials.t09 import (
     REPLAYS,
     bias_figure,
     bias_grid,
@@ -82,7 +83,6 @@ from tokenmdp.exact import (
     state_logprobs,
     state_visitation,
 )
-from tokenmdp.notebook import alias_box, finish, show, table
 from tokenmdp.rl.replay_bias import ReplayWorld, replay_gradient
 from tokenmdp.rl.replay_exact import RoutedPolicy, engine_model
 

@@ -36,7 +36,7 @@
 # %% [markdown]
 # ## Setup
 #
-# The course's MDP (`tokenmdp.notebook.copy_task()`: two prompts, tokens $\{0, 1,
+# The course's MDP (`tokenmdp.course.setups.copy_task()`: two prompts, tokens $\{0, 1,
 # \text{EOS}\}$, at most 3 response tokens, +1 per token that copies the prompt, −1 for a
 # truncated response) and its seeded tabular policy $\pi_0$, which is also the reference policy
 # of every KL penalty. The best policy copies the prompt three times and stops:
@@ -54,7 +54,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import tokenmdp
 from tokenmdp import estimators, testing
-from tokenmdp.course.t10 import (
+from tokenmdp.course.display import alias_box, show, table
+from tokenmdp.course.setups import copy_task, step_along
+from tokenmdp.course.tutorials.t10 import (
     Budget,
     correction_twin,
     curves_figure,
@@ -87,7 +89,6 @@ from tokenmdp.exact import (
     sequence_probs,
     train_exact,
 )
-from tokenmdp.notebook import alias_box, copy_task, show, step_along, table
 
 # Named tolerances for the checks in this notebook.
 EXACT_TOL = 1e-12  # two exact float64 computations of the same quantity
@@ -419,7 +420,7 @@ prorl_stale_cosine = moments(mdp, pi_stale, prorl, group_size=G, behavior=pi0, r
 tokenmdp.check("tr10_prorl_stale_cosine", prorl_stale_cosine)
 
 # %% [markdown]
-# Yes: about 0.49, against about 0.36 with DAPO's band and no KL (tests/_exercises_10.py
+# Yes: about 0.49, against about 0.36 with DAPO's band and no KL (tests/course/exercises/answers_10.py
 # computes both by stacking every multiset of a group in one batch). Tokens with $\hat A > 0$
 # may rise to $1.4\,\pi_{\text{old}}$ before their gradient is masked. The full exact picture,
 # with a Monte Carlo estimate beside one of the exact values:

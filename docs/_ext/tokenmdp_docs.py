@@ -2,7 +2,7 @@
 
 * ``tutorials/`` — the tutorial sources (``tutorials/NN_*.py``, jupytext percent scripts) and an
   index listing them by their titles; MyST-NB reads and executes them;
-* ``estimators/`` — one card per registry entry (:func:`tokenmdp.cards.card_markdown`), with its
+* ``estimators/`` — one card per registry entry (:func:`tokenmdp.reports.cards.card_markdown`), with its
   exact relative bias, cosine, variance and MSE on the reference MDP computed now;
 * ``api/`` — one page per public module, listing exactly the names of its ``__all__``.
 
@@ -29,12 +29,12 @@ API_MODULES = [
     ("tokenmdp.cli", "the tokenmdp command line"),
     ("tokenmdp.packing", "packing sequences into rows, layouts, micro-batches"),
     ("tokenmdp.distributed", "step counts over data-parallel ranks, the DDP loss scale"),
-    ("tokenmdp.interop", "TokenBatch to and from Hugging Face padded tensors"),
+    ("tokenmdp.interop", "TokenBatch to and from Hugging Face padded tensors, logits, HF models"),
     ("tokenmdp.estimators", "advantages, surrogates, corrections, aggregation, KL; the registry"),
-    ("tokenmdp.estimators.registry", "the registry's entries"),
+    ("tokenmdp.estimators.registry.lookup", "the registry: estimators by name"),
     ("tokenmdp.exact", "the enumerable token MDP: ground truth, behaviour policies, moments"),
-    ("tokenmdp.exact.rewards", "rewards of the exact world"),
-    ("tokenmdp.exact.budget", "the memory budget that guards the exact world's allocations"),
+    ("tokenmdp.exact.world.rewards", "rewards of the exact world"),
+    ("tokenmdp.exact.world.budget", "the memory budget that guards the exact world's allocations"),
     ("tokenmdp.model", "the Mixture-of-Experts transformer with routing record and replay"),
     ("tokenmdp.rl", "the rollout engine, routing replay, training–inference metrics"),
     ("tokenmdp.rl.config", "every trainer option"),
@@ -45,10 +45,10 @@ API_MODULES = [
     ("tokenmdp.rl.plot", "training curves"),
     ("tokenmdp.rl.cli_commands", "the sft, train and plot commands, generated from TrainConfig"),
     ("tokenmdp.testing", "layout and micro-batch invariance checks, hypothesis strategies"),
-    ("tokenmdp.plots", "plots of the exact lab"),
-    ("tokenmdp.comparison", "the exact comparison behind tokenmdp compare"),
-    ("tokenmdp.compare_hints", "the one-line hints under the compare table"),
-    ("tokenmdp.cards", "estimator cards"),
+    ("tokenmdp.reports.plots", "plots of the exact lab"),
+    ("tokenmdp.reports.comparison", "the exact comparison behind tokenmdp compare"),
+    ("tokenmdp.reports.hints", "the one-line hints under the compare table"),
+    ("tokenmdp.reports.cards", "estimator cards"),
 ]
 
 
@@ -75,6 +75,15 @@ def _record(documented: str, obj, module_name: str) -> None:
                     CANONICAL.setdefault(f"{prefix}.{member}", f"{documented}.{member}")
 
 
+def _exists(module_name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def _resolve(app, env, node, contnode):
     """``missing-reference``: retry a tokenmdp reference under the name it is documented by."""
     if node.get("refdomain") != "py":
@@ -83,6 +92,8 @@ def _resolve(app, env, node, contnode):
     domain = env.get_domain("py")
     if node["reftype"] == "mod":
         page = MODULE_PAGES.get(target)
+        if page is None and target.startswith("tokenmdp.") and _exists(target):
+            return contnode      # a module with no public names of its own has no page: text
         if page is None or page == target:
             return None
         return domain.resolve_xref(env, node["refdoc"], app.builder, "mod", page, node, contnode)
@@ -141,7 +152,8 @@ def write_tutorials() -> None:
 
 
 def write_estimator_cards(live: bool) -> None:
-    from tokenmdp import cards, estimators
+    from tokenmdp import estimators
+    from tokenmdp.reports import cards
 
     out, keep = DOCS / "estimators", set()
     names = estimators.names()
@@ -175,8 +187,9 @@ NOT_IN_API = {"tokenmdp.model.flex"}  # loaded lazily, on CUDA only
 
 
 def api_modules() -> list[tuple[str, str]]:
-    """:data:`API_MODULES`, then every other public module whose ``__all__`` has a name that its
-    package does not re-export (so a new module cannot be left out of the reference)."""
+    """:data:`API_MODULES`, then every other package (its page shows its map, the docstring) and
+    every other public module whose ``__all__`` has a name that no package above it re-exports
+    (its front door), so a new module cannot be left out of the reference."""
     import pkgutil
 
     import tokenmdp
@@ -187,8 +200,10 @@ def api_modules() -> list[tuple[str, str]]:
         if name in listed or name in NOT_IN_API or any(p.startswith("_") for p in name.split(".")):
             continue
         module = importlib.import_module(name)
-        package = importlib.import_module(name.rsplit(".", 1)[0])
-        if any(n not in getattr(package, "__all__", ()) for n in getattr(module, "__all__", ())):
+        parts = name.split(".")
+        doors = [importlib.import_module(".".join(parts[:i])) for i in range(1, len(parts))]
+        exported = {n for door in doors for n in getattr(door, "__all__", ())}
+        if info.ispkg or any(n not in exported for n in getattr(module, "__all__", ())):
             blurb = (inspect.getdoc(module) or name).split("\n")[0].rstrip(".")
             modules.append((name, blurb))
     return modules
@@ -206,11 +221,11 @@ def write_api_pages() -> None:
         module = importlib.import_module(module_name)
         MODULE_PAGES[module_name] = module_name
         names, again = [], []
-        for name in module.__all__:
+        for name in getattr(module, "__all__", ()):
             if name.startswith("__"):
                 continue
             obj = getattr(module, name)
-            if inspect.ismodule(obj):  # a submodule (tokenmdp.exact.rewards) has its own page
+            if inspect.ismodule(obj):  # a submodule (tokenmdp.exact.world.rewards) has its own page
                 continue
             key = id(obj)
             if key in seen and not isinstance(obj, (int, float, str, tuple)):
@@ -223,9 +238,11 @@ def write_api_pages() -> None:
         # tokenmdp.exact.moments is a module and the function it defines: index the function
         no_index = ["   :no-index:"] if module_name in CANONICAL else []
         lines = [f"# `{module_name}`", "", "```{eval-rst}", f".. automodule:: {module_name}",
-                 "   :no-members:", *no_index, "", f".. currentmodule:: {module_name}", "",
-                 ".. autosummary::", "   :toctree: generated", ""]
-        lines += [f"   {name}" for name in names] + ["```", ""]
+                 "   :no-members:", *no_index, ""]
+        if names:                                    # a package's map may list no names
+            lines += [f".. currentmodule:: {module_name}", "", ".. autosummary::",
+                      "   :toctree: generated", "", *[f"   {name}" for name in names]]
+        lines += ["```", ""]
         if again:
             lines += ["Also re-exported here: " + ", ".join(
                 f"`{name}` ({{py:obj}}`{target}`)" for name, target in again) + ".", ""]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from estimator_helpers import DTYPE, make_batch, repack, split_rows
 
+from tests.estimators.estimator_helpers import DTYPE, make_batch, repack, split_rows
 from tokenmdp.estimators import (
     Aggregation,
     Estimator,

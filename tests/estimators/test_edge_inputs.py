@@ -7,7 +7,7 @@ import torch
 from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators import ImportanceSampling, Level, group_normalized_advantage
-from tokenmdp.interop import from_hf
+from tokenmdp.interop.padded import from_hf
 from tokenmdp.model import ModelConfig, MoETransformer
 from tokenmdp.packing import select_sequences
 

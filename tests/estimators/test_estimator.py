@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from estimator_helpers import DTYPE, make_batch, repack
 
+from tests.estimators.estimator_helpers import DTYPE, make_batch, repack
 from tokenmdp import estimators
 from tokenmdp.estimators import (
     Aggregation,

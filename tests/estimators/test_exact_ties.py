@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from estimator_helpers import repack
 
+from tests.estimators.estimator_helpers import repack
 from tokenmdp.estimators import (
     Aggregation,
     Estimator,
@@ -38,12 +38,12 @@ from tokenmdp.exact import (
     gradient,
     inference_copy,
     objective,
-    rewards,
     sequence_kl,
     sequence_probs,
     stale_copy,
     surrogate,
 )
+from tokenmdp.exact.world import rewards
 
 TIE = 1e-12  # float64: enumeration sums of ~100 terms of size <= ~10
 

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmdp.estimators import advantages as A
 from tokenmdp.estimators._common import take
+from tokenmdp.estimators.advantages import group as A
 
 
 def reference(group_S):

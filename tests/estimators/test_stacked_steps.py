@@ -3,8 +3,8 @@ exactly as if each step were prepared on its own (the exact lab relies on this).
 
 import pytest
 import torch
-from estimator_helpers import make_batch
 
+from tests.estimators.estimator_helpers import make_batch
 from tokenmdp import estimators as E
 
 EXACT_TOL = 1e-15

@@ -11,8 +11,8 @@ the weights follow the closed forms of the module table of
 
 import pytest
 import torch
-from estimator_helpers import make_batch
 
+from tests.estimators.estimator_helpers import make_batch
 from tokenmdp import estimators as E
 
 EXACT_TOL = 1e-15

@@ -5,8 +5,8 @@ change of the batch's log-probs recomputes them."""
 
 import pytest
 import torch
-from test_fused_loss import fixture
 
+from tests.estimators.fused.test_fused_loss import fixture
 from tokenmdp import estimators as E
 from tokenmdp.testing.strategies import token_batches
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tokenmdp.exact import LogLinearPolicy, NeuralPolicy, TabularPolicy, TokenMDP
-from tokenmdp.exact.rewards import LengthReward, RandomTable
+from tokenmdp.exact.world.rewards import LengthReward, RandomTable
 
 POLICY_CLASSES = (TabularPolicy, LogLinearPolicy, NeuralPolicy)
 

@@ -23,7 +23,7 @@ from tokenmdp.exact import (
     objective,
     sequence_probs,
 )
-from tokenmdp.exact.rewards import RandomTable
+from tokenmdp.exact.world.rewards import RandomTable
 from tokenmdp.testing.strategies import mdps
 
 from .conftest import OnlyTokenLogprobs
@@ -134,7 +134,7 @@ def test_random_table_tree_equals_rows_and_plain_python(mdp, binary_p):
 
 def test_random_table_tree_chunks_the_truncated_block(monkeypatch):
     """More depth-(L-1) prefixes than one chunk, and a ragged last chunk."""
-    from tokenmdp.exact import _hashing
+    from tokenmdp.exact.world import _hashing
     monkeypatch.setattr(_hashing, "TREE_CHUNK", 7)
     mdp = TokenMDP(5, 3, RandomTable(seed=4), prompts=[(0,), (3, 1)])
     pidx, resp, lengths = mdp._terminal_layout
@@ -170,7 +170,7 @@ def test_workspaces_never_leak_between_calls_or_mdps():
 
 def test_the_closed_form_gradient_is_what_the_check_sees():
     """The checks fail when the backward pass is broken: a wrong sign of the baseline term."""
-    from tokenmdp.exact import _tree_objective
+    from tokenmdp.exact.world import _tree_objective
     mdp = TokenMDP(3, 3, RandomTable(seed=2), prompts=[(0,), (1, 0)])
     policy = NeuralPolicy(mdp, generator=torch.Generator().manual_seed(0))
     reference = flat_grad(per_response_objective(mdp, policy), policy)
@@ -192,8 +192,8 @@ def test_the_closed_form_gradient_is_what_the_check_sees():
 def test_packed_batches_evaluate_every_term_exactly_once():
     """Each (response y of type τ, multiset m of the others' types) appears in exactly one valid
     slot, and the number of batches is the cost's closed form."""
-    from tokenmdp.exact.exchangeability import _members, _packed_batches, _packed_count
-    from tokenmdp.exact.group_draws import multisets
+    from tokenmdp.exact.lab.exchangeability import _members, _packed_batches, _packed_count
+    from tokenmdp.exact.lab.group_draws import multisets
 
     type_of = torch.tensor([0, 1, 1, 2, 0, 1, 1, 1, 2, 0])
     q = torch.tensor([.1, .1, .1, .0, .2, .1, .1, .1, .1, .1], dtype=torch.float64)
@@ -215,7 +215,8 @@ def test_packed_batches_evaluate_every_term_exactly_once():
 
 def test_chunked_cross_term_and_packing_agree(monkeypatch):
     from tokenmdp import estimators as E
-    from tokenmdp.exact import exchangeability, inference_copy, moments, stale_copy
+    from tokenmdp.exact import inference_copy, moments, stale_copy
+    from tokenmdp.exact.lab import exchangeability
     mdp = TokenMDP(3, 3, RandomTable(seed=5, binary_p=0.5), prompts=[(0,), (1,)])
     pi = TabularPolicy(mdp, generator=torch.Generator().manual_seed(0))
     old = stale_copy(mdp, pi, distance=0.3)

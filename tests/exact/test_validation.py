@@ -12,7 +12,7 @@ from tokenmdp.exact import (
     objective,
     sample,
 )
-from tokenmdp.exact.rewards import TokenCount
+from tokenmdp.exact.world.rewards import TokenCount
 
 from .conftest import make_policy
 

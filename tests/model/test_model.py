@@ -9,7 +9,7 @@ import torch
 from tests.model.models import TINY, make_model
 from tokenmdp.batch import TokenBatch
 from tokenmdp.exact import TokenMDP, check_policy, gradient, objective, sequence_logprobs
-from tokenmdp.exact.rewards import RandomTable
+from tokenmdp.exact.world.rewards import RandomTable
 from tokenmdp.model import RoutingTrace, load_balancing_loss
 from tokenmdp.packing import flat_layout, pack_first_fit_decreasing, padded_layout
 from tokenmdp.testing import check_layout_invariance

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from tokenmdp.rl.cli_commands import add_trainer_commands, config_from_args
+from tokenmdp.rl.cli_commands import add_trainer_commands
 from tokenmdp.rl.config import TrainConfig, field_docs
+from tokenmdp.rl.options import config_from_args
 
 SMALL = ["--n-layers", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "2",
          "--max-new-tokens", "4", "--steps", "2"]

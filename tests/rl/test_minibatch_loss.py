@@ -10,7 +10,7 @@ import torch
 
 from tokenmdp import estimators as E
 from tokenmdp.batch import TokenBatch
-from tokenmdp.rl.trainer import minibatch_loss
+from tokenmdp.rl.update import minibatch_loss
 
 EXACT = 1e-12
 BALANCE = 0.37

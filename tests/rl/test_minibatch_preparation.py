@@ -18,7 +18,7 @@ import torch
 
 from tokenmdp import estimators as E
 from tokenmdp.batch import TokenBatch
-from tokenmdp.rl.trainer import prepare_minibatch, split_minibatches
+from tokenmdp.rl.update import prepare_minibatch, split_minibatches
 
 EXACT_TOL = 1e-15
 MAX_LEN = 3

@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
+from tokenmdp.course.setups import copy_task
 from tokenmdp.estimators import Aggregation, Estimator, LeaveOneOut, NoCorrection, TokenRatio
 from tokenmdp.exact import gradient, objective, sequence_kl, sequence_logprobs
-from tokenmdp.exact.ground_truth import state_logprobs
-from tokenmdp.notebook import copy_task
+from tokenmdp.exact.world.ground_truth import state_logprobs
 from tokenmdp.rl.replay_bias import ReplayWorld, replay_gradient
 from tokenmdp.rl.replay_exact import (
     EnginePolicy,

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
+from tokenmdp.course.setups import copy_task
 from tokenmdp.exact import objective
-from tokenmdp.notebook import copy_task
 from tokenmdp.rl.replay_exact import moe_policy
 from tokenmdp.rl.replay_runs import mdp_training_run
 

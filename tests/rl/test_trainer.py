@@ -12,20 +12,15 @@ import torch
 from tokenmdp import estimators
 from tokenmdp.batch import TokenBatch
 from tokenmdp.exact import TokenMDP, gradient, sequence_probs
-from tokenmdp.exact.rewards import RandomTable
+from tokenmdp.exact.world.rewards import RandomTable
 from tokenmdp.packing import pack_first_fit_decreasing, split_micro_batches
 from tokenmdp.rl import run_state, trainer
 from tokenmdp.rl.config import TrainConfig, check_config
-from tokenmdp.rl.rollout import RoutingReplay, compute_old_logprobs
-from tokenmdp.rl.trainer import (
-    TIMING_FIELDS,
-    NonFiniteError,
-    build_model,
-    minibatch_loss,
-    prepare_minibatch,
-    split_minibatches,
-    train,
-)
+from tokenmdp.rl.mismatch import RoutingReplay, compute_old_logprobs
+from tokenmdp.rl.run_setup import build_model
+from tokenmdp.rl.run_state import NonFiniteError
+from tokenmdp.rl.trainer import TIMING_FIELDS, train
+from tokenmdp.rl.update import minibatch_loss, prepare_minibatch, split_minibatches
 
 #: ∇J by exact recursion vs the trainer's loss on the probability-weighted enumeration (float64).
 GRADIENT_RTOL = 1e-9

@@ -14,7 +14,7 @@ from tokenmdp import estimators as est_lib
 from tokenmdp import testing
 from tokenmdp.batch import TokenBatch
 from tokenmdp.exact import TokenMDP
-from tokenmdp.exact.rewards import RandomTable
+from tokenmdp.exact.world.rewards import RandomTable
 
 EXACT = 1e-12             # hand-worked values in float64
 TOKEN_MEAN = est_lib.Estimator(surrogate=est_lib.Reinforce(), aggregation=est_lib.Aggregation.TOKEN_MEAN)

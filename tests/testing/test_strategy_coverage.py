@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 from tokenmdp import estimators as est_lib
 from tokenmdp import testing
-from tokenmdp.exact import rewards
+from tokenmdp.exact.world import rewards
 
 #: examples per run; the common cases below come with probability >= 1/5 per example (seen
 #: >= 30 times in 200 runs of other orders), the rare ones (a response whose every token is

@@ -1,36 +1,53 @@
 """The estimator library: every estimator tokenmdp teaches, written once for both worlds.
 
 An :class:`Estimator` composes five independent parts, each a set of pure functions of tensors
-over a :class:`~tokenmdp.batch.TokenBatch` (reading order):
+over a :class:`~tokenmdp.batch.TokenBatch`. This package is their front door: every public name
+of its rooms is importable from ``tokenmdp.estimators``.
 
-* :mod:`~tokenmdp.estimators.advantages` — rewards and groups → per-sequence advantage;
-  :mod:`~tokenmdp.estimators.baselines` (REINFORCE++-baseline, TRL's batch std, OPO) and
-  :mod:`~tokenmdp.estimators.token_advantages` (per-token: reward-to-go, a KL in every
-  token's reward);
-* :mod:`~tokenmdp.estimators.surrogates`, :mod:`~tokenmdp.estimators.sequence_surrogates` —
-  the per-token term (REINFORCE, ratios, PPO clip, CISPO, MiniRL, sequence IS, GSPO);
-* :mod:`~tokenmdp.estimators.soft_surrogates`, :mod:`~tokenmdp.estimators.trust_region_masks`,
-  :mod:`~tokenmdp.estimators.per_decision` — SAPO, GMPO, an entropy bonus; DPPO's and OPSM's
-  masks; per-decision IS; :mod:`~tokenmdp.estimators.covariance_surrogates` — Clip-Cov and
-  KL-Cov;
-* :mod:`~tokenmdp.estimators.corrections` — the detached training–inference factor ``π_old/μ``;
-  :mod:`~tokenmdp.estimators.rejection` (verl's rejection masks, factor 1) and
-  :mod:`~tokenmdp.estimators.self_normalized` (self-normalized IS over the step);
-  :mod:`~tokenmdp.estimators.ctpo` — CTPO's clipped cumulative ratio;
-* :mod:`~tokenmdp.estimators.aggregation` — the per-token loss weights of the step;
-* :mod:`~tokenmdp.estimators.kl` — KL to a reference policy, in the reward or in the loss;
+Floors, top to bottom::
 
-then :mod:`~tokenmdp.estimators.estimator` (:func:`prepare` once per optimizer step),
-:mod:`~tokenmdp.estimators.token_loss` (:func:`loss` per micro-batch) and
-:mod:`~tokenmdp.estimators.registry` (published algorithms by name)::
+    step, token_loss
+    registry
+    estimator, fused
+    surrogates
+    advantages, aggregation, corrections, kl
+    _common
+
+* the parts, by role — :mod:`~tokenmdp.estimators.advantages` (rewards and groups →
+  advantages: group baselines, REINFORCE++/OPO baselines, per-token advantages),
+  :mod:`~tokenmdp.estimators.surrogates` (the per-token term: REINFORCE, ratios, PPO clip,
+  CISPO, MiniRL, sequence IS, GSPO, SAPO, GMPO, DPPO's and OPSM's masks, per-decision IS, CTPO,
+  Clip-Cov and KL-Cov), :mod:`~tokenmdp.estimators.corrections` (the detached
+  training–inference factor ``π_old/μ``: IS, TIS, MIS, rejection masks, self-normalized IS and
+  the weights' diagnostics), :mod:`~tokenmdp.estimators.aggregation` (the per-token loss weights
+  of the step) and :mod:`~tokenmdp.estimators.kl` (KL to a reference, in the reward or the
+  loss);
+* :mod:`~tokenmdp.estimators.estimator` — :class:`Estimator`, the frozen composition;
+  :mod:`~tokenmdp.estimators.fused` — each part's kernel of value and gradient coefficient;
+* :mod:`~tokenmdp.estimators.registry` — the published algorithms by name (a new estimator is an
+  entry there, built from the parts);
+* :mod:`~tokenmdp.estimators.step` (:func:`prepare`, once per optimizer step) and
+  :mod:`~tokenmdp.estimators.token_loss` (:func:`loss`, per micro-batch)::
 
     est = estimators.get("grpo")
     batch = estimators.prepare(batch, est)             # whole step: advantages, loss weights
     value, metrics = estimators.loss(logprobs_RC, batch, est)   # any micro-batch
+
+It imports the narrow waist's :mod:`tokenmdp.batch` only; it never imports the exact world, the
+model, the trainer or any front end.
 """
 
 from tokenmdp.estimators._common import MAX_LOG_RATIO
-from tokenmdp.estimators.advantages import (
+from tokenmdp.estimators.advantages.baselines import (
+    GroupMeanBatchStd,
+    OPOBaseline,
+    ReinforcePPBaseline,
+    group_mean_batch_std_advantage,
+    opo_advantage,
+    reinforce_pp_baseline_advantage,
+    weighted_whiten,
+)
+from tokenmdp.estimators.advantages.group import (
     Advantage,
     BatchNormalized,
     GroupMean,
@@ -43,6 +60,7 @@ from tokenmdp.estimators.advantages import (
     leave_one_out_advantage,
     reward_advantage,
 )
+from tokenmdp.estimators.advantages.token import RewardToGo, TokenAdvantage, reward_to_go
 from tokenmdp.estimators.aggregation import (
     Aggregation,
     SequenceCount,
@@ -50,16 +68,7 @@ from tokenmdp.estimators.aggregation import (
     count_step,
     loss_weights,
 )
-from tokenmdp.estimators.baselines import (
-    GroupMeanBatchStd,
-    OPOBaseline,
-    ReinforcePPBaseline,
-    group_mean_batch_std_advantage,
-    opo_advantage,
-    reinforce_pp_baseline_advantage,
-    weighted_whiten,
-)
-from tokenmdp.estimators.corrections import (
+from tokenmdp.estimators.corrections.factor import (
     Correction,
     CorrectionFactor,
     ImportanceSampling,
@@ -73,34 +82,43 @@ from tokenmdp.estimators.corrections import (
     training_inference_log_weight,
     truncated_importance_weight,
 )
-from tokenmdp.estimators.covariance_surrogates import ClipCov, KLCov, token_covariance
-from tokenmdp.estimators.ctpo import CTPOClip, ctpo_bounds, ctpo_term
-from tokenmdp.estimators.estimator import (
-    Estimator,
+from tokenmdp.estimators.corrections.rejection import (
+    RejectionSampling,
+    rejection_keep_mask,
+    rejection_statistic,
+)
+from tokenmdp.estimators.corrections.self_normalized import (
+    SNIS_FACTOR,
+    SelfNormalizedIS,
+    self_normalized_weight,
+)
+from tokenmdp.estimators.estimator import Estimator
+from tokenmdp.estimators.kl import KLPenalty, kl_abs, kl_k1, kl_k2, kl_k3, kl_k3_plus
+from tokenmdp.estimators.registry.lookup import describe, format_table, get, names
+from tokenmdp.estimators.step import (
     advantage_rewards,
     counted_mask,
     prepare,
     step_counts,
     token_reward_penalty,
 )
-from tokenmdp.estimators.kl import KLPenalty, kl_abs, kl_k1, kl_k2, kl_k3, kl_k3_plus
-from tokenmdp.estimators.per_decision import (
+from tokenmdp.estimators.surrogates.clipped import (
+    CISPO,
+    MiniRL,
+    PPOClip,
+    cispo_term,
+    minirl_term,
+    ppo_clip_term,
+    ppo_keep_mask,
+)
+from tokenmdp.estimators.surrogates.covariance import ClipCov, KLCov, token_covariance
+from tokenmdp.estimators.surrogates.ctpo import CTPOClip, ctpo_bounds, ctpo_term
+from tokenmdp.estimators.surrogates.per_decision import (
     PerDecisionRatio,
     cumulative_log_ratio,
     per_decision_term,
 )
-from tokenmdp.estimators.registry import describe, format_table, get, names
-from tokenmdp.estimators.rejection import (
-    RejectionSampling,
-    rejection_keep_mask,
-    rejection_statistic,
-)
-from tokenmdp.estimators.self_normalized import (
-    SNIS_FACTOR,
-    SelfNormalizedIS,
-    self_normalized_weight,
-)
-from tokenmdp.estimators.sequence_surrogates import (
+from tokenmdp.estimators.surrogates.sequence import (
     GSPO,
     GSPOToken,
     SequenceRatio,
@@ -109,7 +127,7 @@ from tokenmdp.estimators.sequence_surrogates import (
     sequence_log_ratio,
     sequence_ratio_term,
 )
-from tokenmdp.estimators.soft_surrogates import (
+from tokenmdp.estimators.surrogates.soft import (
     GMPO,
     SAPO,
     EntropyBonus,
@@ -117,30 +135,22 @@ from tokenmdp.estimators.soft_surrogates import (
     gmpo_term,
     sapo_term,
 )
-from tokenmdp.estimators.surrogates import (
-    CISPO,
-    MiniRL,
-    PPOClip,
+from tokenmdp.estimators.surrogates.token import (
     Reinforce,
     Surrogate,
     SurrogateTerms,
     TokenRatio,
-    cispo_term,
-    minirl_term,
-    ppo_clip_term,
-    ppo_keep_mask,
     reinforce_term,
     token_ratio_term,
 )
-from tokenmdp.estimators.token_advantages import RewardToGo, TokenAdvantage, reward_to_go
-from tokenmdp.estimators.token_loss import loss, per_micro_batch_token_mean_loss
-from tokenmdp.estimators.trust_region_masks import (
+from tokenmdp.estimators.surrogates.trust_region_masks import (
     DPPO,
     OffPolicySequenceMask,
     dppo_keep_mask,
     dppo_term,
     off_policy_sequence_keep_mask,
 )
+from tokenmdp.estimators.token_loss import loss, per_micro_batch_token_mean_loss
 
 __all__ = [
     "CISPO", "GSPO", "MAX_LOG_RATIO", "Advantage", "Aggregation", "BatchNormalized", "Correction",

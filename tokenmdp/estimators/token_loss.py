@@ -1,7 +1,7 @@
 """``loss`` per micro-batch: the weighted per-token loss of a prepared batch, and its metrics.
 
 :func:`loss` runs on any micro-batch, on any rank: it reads ``advantage`` and ``loss_weight``
-(filled once per step by :func:`~tokenmdp.estimators.estimator.prepare`) and never recomputes
+(filled once per step by :func:`~tokenmdp.estimators.prepare`) and never recomputes
 them, so the micro-batch losses sum to the full-step loss::
 
     loss = -Σ_{loss tokens} loss_weight · (c · surrogate - β k)
@@ -11,7 +11,7 @@ them, so the micro-batch losses sum to the full-step loss::
 
 When every part of the estimator has a fused kernel (every registry estimator's parts have
 one), the loss and its gradient are computed in one pass without autograd
-(``tokenmdp/estimators/_fused.py``): the same numbers as the parts' autograd terms up to the
+(``tokenmdp/estimators/fused/core.py``): the same numbers as the parts' autograd terms up to the
 order of floating-point products, at a fraction of the memory traffic.
 """
 
@@ -22,15 +22,18 @@ from typing import NamedTuple
 
 import torch
 
+import tokenmdp.estimators.fused.kl  # noqa: F401  (the kernels register on import)
+import tokenmdp.estimators.fused.sequence  # noqa: F401
+import tokenmdp.estimators.fused.surrogates  # noqa: F401
 from tokenmdp.batch import TokenBatch
-from tokenmdp.estimators import _fused_kl, _fused_sequence, _fused_surrogates  # noqa: F401 (kernels)
 from tokenmdp.estimators._common import MAX_LOG_RATIO, check_like_tokens
-from tokenmdp.estimators._fused import Bound, FusedLoss, Request, bind, sanitized
 from tokenmdp.estimators.aggregation import Aggregation, loss_weights
-from tokenmdp.estimators.corrections import CorrectionFactor, Level
-from tokenmdp.estimators.estimator import Estimator, resolve
-from tokenmdp.estimators.surrogates import SurrogateTerms
-from tokenmdp.estimators.weight_diagnostics import correction_diagnostics
+from tokenmdp.estimators.corrections.diagnostics import correction_diagnostics
+from tokenmdp.estimators.corrections.factor import CorrectionFactor, Level
+from tokenmdp.estimators.estimator import Estimator
+from tokenmdp.estimators.fused.core import Bound, FusedLoss, Request, bind, sanitized
+from tokenmdp.estimators.registry.lookup import resolve
+from tokenmdp.estimators.surrogates.token import SurrogateTerms
 
 __all__ = ["loss", "per_micro_batch_token_mean_loss"]
 
@@ -65,7 +68,7 @@ def loss(logprobs_RC: torch.Tensor, batch: TokenBatch, estimator: Estimator, *,
         (``KL(μ ‖ π_old)`` per token, k1 and k3 forms) and ``is_ess``/``is_chi2`` (the
         normalized effective sample size and χ² estimate of the token weights ``π_old/μ``;
         ``is_seq_ess``/``is_seq_chi2`` of the sequence weights too when the correction acts per
-        sequence or geometric mean; :mod:`~tokenmdp.estimators.weight_diagnostics`), and with
+        sequence or geometric mean; :mod:`~tokenmdp.estimators.corrections.diagnostics`), and with
         a KL-in-loss penalty ``kl_ref`` (mean of its estimator ``k(π_θ, π_ref)``). Over zero
         loss tokens fractions, KLs and χ² are 0 and ratio statistics and ESS 1 (neutral
         values, no NaN); an empty batch (no sequences) gives loss 0, these neutral metrics and
@@ -111,7 +114,7 @@ def _loss(logprobs_RC, batch, estimator, *, metrics: bool, fused: bool):
 
 def _fused_loss(logprobs_RC, batch, estimator, constants, metrics):
     """The fused path: the kernels' loss value and gradient coefficient, joined to
-    ``logprobs_RC`` by :class:`~tokenmdp.estimators._fused.FusedLoss` (a one-product backward
+    ``logprobs_RC`` by :class:`~tokenmdp.estimators.fused.core.FusedLoss` (a one-product backward
     pass)."""
     plan = constants.plan
     grad = logprobs_RC.requires_grad and torch.is_grad_enabled()

@@ -1,18 +1,42 @@
-"""The exact world: an enumerable token MDP, its policies and its ground truth (float64).
+"""The exact world: an enumerable token MDP, its policies, its ground truth and the exact lab.
 
-See :mod:`tokenmdp.exact.mdp` for the MDP and its state/terminal indexing,
-:mod:`tokenmdp.exact.policies` for the policy protocol, :mod:`tokenmdp.exact.ground_truth` for
-``J``, ``∇J``, values, KL and entropy, :mod:`tokenmdp.exact.behavior` for stale and
-inference-engine behaviour policies, :mod:`tokenmdp.exact.sampling` for Monte Carlo draws, and
-the lab on top: :mod:`tokenmdp.exact.moments` (exact bias and variance of any estimator),
-:mod:`tokenmdp.exact.first_order` (the trust-region approximation) and
-:mod:`tokenmdp.exact.length_bias` (what each aggregation ascends).
+This package is the exact world's front door: ``from tokenmdp.exact import TokenMDP, moments``.
+
+Floors, top to bottom::
+
+    analysis, lattice
+    lab
+    world
+
+* :mod:`~tokenmdp.exact.world` — the MDP and its state/terminal indexing, rewards, the policy
+  protocol (tabular, log-linear, neural), stale and inference-engine behaviour policies, the
+  ground truth (``J``, ``∇J``, values, KL, entropy, χ²) and Monte Carlo draws;
+* :mod:`~tokenmdp.exact.lab` — :func:`~tokenmdp.exact.moments`: the exact mean, variance and
+  bias of any estimator or loss callable, by enumeration, exchangeability or streamed Monte
+  Carlo, with its :class:`~tokenmdp.exact.Moments` result;
+* :mod:`~tokenmdp.exact.analysis` — what the lab answers: the trust-region approximation
+  (first order), length bias, the KL gradients, training by sampled updates;
+* :mod:`~tokenmdp.exact.lattice` — exact at 4096-token responses: reward automata on a
+  ``(t, z)`` lattice, recursions instead of enumeration.
+
+It imports the narrow waist and :mod:`tokenmdp.estimators`; never the model, the trainer or a
+front end (the trainer's model is analysed exactly by :mod:`tokenmdp.rl`, which imports this).
 """
 
-from tokenmdp.exact import rewards
-from tokenmdp.exact.behavior import InferencePolicy, inference_copy, round_logits, stale_copy
-from tokenmdp.exact.first_order import PathPoint, first_order_path, trust_region_bound
-from tokenmdp.exact.ground_truth import (
+from tokenmdp.exact.analysis.first_order import PathPoint, first_order_path, trust_region_bound
+from tokenmdp.exact.analysis.length_bias import (
+    aggregation_gradients,
+    expected_length,
+    length_drift,
+    length_normalized_objective,
+)
+from tokenmdp.exact.analysis.training import ExactTrainingRun, train_exact  # noqa: F401  (own API page)
+from tokenmdp.exact.lab.group_draws import count_draws
+from tokenmdp.exact.lab.moments import MomentsWorkspace, moments
+from tokenmdp.exact.lab.moments_result import Moments
+from tokenmdp.exact.world import rewards
+from tokenmdp.exact.world.behavior import InferencePolicy, inference_copy, round_logits, stale_copy
+from tokenmdp.exact.world.ground_truth import (
     ValueTables,
     flat_grad,
     gradient,
@@ -26,24 +50,15 @@ from tokenmdp.exact.ground_truth import (
     token_entropy,
     values,
 )
-from tokenmdp.exact.group_draws import count_draws
-from tokenmdp.exact.length_bias import (
-    aggregation_gradients,
-    expected_length,
-    length_drift,
-    length_normalized_objective,
-)
-from tokenmdp.exact.mdp import TokenMDP
-from tokenmdp.exact.moments import Moments, MomentsWorkspace, moments
-from tokenmdp.exact.policies import (
+from tokenmdp.exact.world.mdp import TokenMDP
+from tokenmdp.exact.world.policies import (
     LogLinearPolicy,
     NeuralPolicy,
     PrefixPolicy,
     TabularPolicy,
     check_policy,
 )
-from tokenmdp.exact.sampling import sample
-from tokenmdp.exact.training import ExactTrainingRun, train_exact  # noqa: F401  (own API page)
+from tokenmdp.exact.world.sampling import sample
 
 __all__ = [
     "TokenMDP", "rewards", "PrefixPolicy", "TabularPolicy", "LogLinearPolicy", "NeuralPolicy",

@@ -4,7 +4,7 @@ Token embedding, RoPE with the positions the batch gives (they restart at 0 for 
 sequence), RMSNorm, attention that is causal *and* restricted to the token's own sequence
 (so sequences packed in one row never see each other), and MoE (or dense) SwiGLU MLPs.
 
-The policy protocol (:mod:`tokenmdp.exact.policies`):
+The policy protocol (:mod:`tokenmdp.exact.world.policies`):
 
 * ``token_logprobs(batch) -> [R, C]``: ``log pi(y_t | x, y_<t)`` of each response token, 0 on
   prompt tokens and padding; the token at column ``c`` is predicted by the output at ``c - 1``;
@@ -45,8 +45,7 @@ from tokenmdp.model.outputs import (
     sequence_attention_mask,
 )
 
-__all__ = ["MoETransformer", "RoutingTrace", "TokenOutputs", "KVCache", "ModelOutput",
-           "sequence_attention_mask"]
+__all__ = ["MoETransformer"]
 
 
 class MoETransformer(nn.Module):

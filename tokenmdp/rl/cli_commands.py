@@ -15,8 +15,7 @@ from pathlib import Path
 from tokenmdp.rl.options import add_config_arguments, config_from_args
 from tokenmdp.rl.trainer import run_and_report
 
-__all__ = ["add_config_arguments", "add_plot_command", "add_trainer_commands", "config_from_args",
-           "run_and_report"]
+__all__ = ["add_plot_command", "add_trainer_commands"]
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ class TrainConfig:
         Loop: rl (rollout, reward, estimator updates) or sft (demonstrations, advantage 1).
     task : str, default "addition"
         Task name: addition, sorting, count, or the long-answer running_sum_L (L = 8, 16, 32,
-        64, 128; :mod:`tokenmdp.rl.tasks`, :mod:`tokenmdp.rl.long_tasks`).
+        64, 128; :mod:`tokenmdp.rl.tasks`, :mod:`tokenmdp.rl.tasks`).
     estimator : str, default "dapo"
         Estimator registry name (``tokenmdp estimators`` lists them); ignored by sft.
     replay : str, default "none"
@@ -229,7 +229,8 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
         Naming the field (or fields) at fault.
     """
     from tokenmdp import estimators
-    from tokenmdp.rl.rollout import PRECISIONS, RoutingReplay
+    from tokenmdp.rl.mismatch import RoutingReplay
+    from tokenmdp.rl.rollout import PRECISIONS
     from tokenmdp.rl.tasks import TASKS
 
     for f in dataclasses.fields(cfg):  # every float option: a finite number (NaN, inf rejected)

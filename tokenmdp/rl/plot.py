@@ -2,7 +2,7 @@
 
 :func:`plot_runs` draws a grid of panels, one per metric that some run logged, one line per run
 (labelled by its folder name), against the step. Metrics logged only at some steps
-(``eval_accuracy``) are drawn as points joined at those steps. Like :mod:`tokenmdp.plots` the
+(``eval_accuracy``) are drawn as points joined at those steps. Like :mod:`tokenmdp.reports.plots` the
 module chooses no backend: figures show inline in a notebook, and a headless machine falls back
 to Agg by itself.
 """

@@ -4,7 +4,7 @@ enumerable MDP, and the expected gradient of any estimator under none / R2 / R3.
 :class:`ReplayWorld` holds the trainer's model at the rollout weights, the engine's copy
 (:func:`~tokenmdp.rl.replay_exact.engine_model`) and both routing records; R2 and R3 are one-line
 swaps of whose record is replayed, through the trainer's own
-:func:`~tokenmdp.rl.rollout.replay_routing`. :func:`replay_gradient` gives the exact ``E[ĝ]`` of
+:func:`~tokenmdp.rl.mismatch.replay_routing`. :func:`replay_gradient` gives the exact ``E[ĝ]`` of
 an estimator under a replay with three targets: ``∇J`` of the freely routed ``π_θ`` (what the
 trainer should follow), ``∇J`` of the replayed policy (the target the replay substitutes) and the
 gradient of the first-order surrogate ``L_{π_old}(π_θ)``.
@@ -26,8 +26,8 @@ from torch import nn
 from tokenmdp.batch import TokenBatch
 from tokenmdp.exact import TokenMDP, flat_grad, gradient, moments, surrogate
 from tokenmdp.model import MoETransformer
+from tokenmdp.rl.mismatch import ENGINE_ROUTING, OLD_ROUTING, RoutingReplay, replay_routing
 from tokenmdp.rl.replay_exact import EnginePolicy, RoutedPolicy, enumeration_routing, expected_flip_fraction
-from tokenmdp.rl.rollout import ENGINE_ROUTING, OLD_ROUTING, RoutingReplay, replay_routing
 
 __all__ = ["ReplayGradient", "ReplayWorld", "replay_gradient"]
 
@@ -39,7 +39,7 @@ class ReplayWorld:
     The records are taken once, at construction: ``old_routing`` is what the trainer's
     ``old_logprob`` pass records (R2 replays it), ``engine_routing`` what the engine used (R3
     replays it). :meth:`routing` picks one of them with the trainer's own
-    :func:`~tokenmdp.rl.rollout.replay_routing`, so R2 and R3 are one-line swaps here as there.
+    :func:`~tokenmdp.rl.mismatch.replay_routing`, so R2 and R3 are one-line swaps here as there.
 
     Parameters
     ----------
@@ -90,7 +90,7 @@ class ReplayWorld:
         Returns
         -------
         LongTensor ``[R, C, L, K]`` or None
-            As :func:`~tokenmdp.rl.rollout.replay_routing` returns it for :meth:`batch`.
+            As :func:`~tokenmdp.rl.mismatch.replay_routing` returns it for :meth:`batch`.
         """
         return replay_routing(self.batch(), replay)
 
@@ -113,7 +113,7 @@ class ReplayWorld:
 
     def old_policy(self, replay: RoutingReplay | str) -> RoutedPolicy:
         """``π_old`` as the ``old_logprob`` pass computes it: with the engine's routing under R3,
-        routed freely otherwise (:func:`~tokenmdp.rl.rollout.compute_old_logprobs`).
+        routed freely otherwise (:func:`~tokenmdp.rl.mismatch.compute_old_logprobs`).
 
         Parameters
         ----------

@@ -38,13 +38,10 @@ import torch
 from torch import nn
 
 from tokenmdp.exact import TokenMDP, sequence_probs
-from tokenmdp.exact.policies import PrefixPolicy
+from tokenmdp.exact.world.policies import PrefixPolicy
 from tokenmdp.model import ModelConfig, MoETransformer, RoutingTrace
-from tokenmdp.rl.rollout import (
-    PRECISIONS,
-    RolloutEngine,
-    routing_mismatch_counts,
-)
+from tokenmdp.rl.mismatch import routing_mismatch_counts
+from tokenmdp.rl.rollout import PRECISIONS, RolloutEngine
 
 __all__ = ["EnginePolicy", "RoutedPolicy", "engine_model", "enumeration_routing",
            "expected_flip_fraction", "moe_policy"]
@@ -297,7 +294,7 @@ def expected_flip_fraction(mdp: TokenMDP, routing_a: torch.Tensor, routing_b: to
 
     Records are those of every token but the last of each sequence (the engine never routes the
     last sampled token), prompt tokens included: the large-batch limit of the trainer's
-    ``routing_mismatch`` (:func:`~tokenmdp.rl.rollout.routing_mismatch_counts`).
+    ``routing_mismatch`` (:func:`~tokenmdp.rl.mismatch.routing_mismatch_counts`).
 
     Parameters
     ----------

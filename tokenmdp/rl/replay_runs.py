@@ -4,7 +4,7 @@
 replaced by a :class:`~tokenmdp.exact.TokenMDP`: the rollout engine
 (:class:`~tokenmdp.rl.rollout.RolloutEngine`, its own precision and router-score noise) samples
 ``G`` responses for each prompt drawn from ``D``, the reward is the MDP's, the ``old_logprob`` pass
-records or replays the routing (:func:`~tokenmdp.rl.rollout.compute_old_logprobs`),
+records or replays the routing (:func:`~tokenmdp.rl.mismatch.compute_old_logprobs`),
 :func:`~tokenmdp.estimators.prepare` runs once on the step, and ``N`` mini-batch updates follow
 (:func:`~tokenmdp.rl.update.split_minibatches`, :func:`~tokenmdp.rl.update.prepare_minibatch`,
 :func:`~tokenmdp.rl.update.minibatch_loss`, AdamW). Because the world is enumerable, every step
@@ -23,21 +23,21 @@ import torch
 from tokenmdp import estimators
 from tokenmdp.exact import TokenMDP, expected_length, objective, sequence_kl
 from tokenmdp.model import MoETransformer
+from tokenmdp.rl.mismatch import (
+    ENGINE_ROUTING,
+    OLD_ROUTING,
+    RoutingReplay,
+    compute_old_logprobs,
+    routing_mismatch_rate,
+    training_inference_kl,
+)
 from tokenmdp.rl.replay_exact import (
     EnginePolicy,
     RoutedPolicy,
     enumeration_routing,
     expected_flip_fraction,
 )
-from tokenmdp.rl.rollout import (
-    ENGINE_ROUTING,
-    OLD_ROUTING,
-    RolloutEngine,
-    RoutingReplay,
-    compute_old_logprobs,
-    routing_mismatch_rate,
-    training_inference_kl,
-)
+from tokenmdp.rl.rollout import RolloutEngine
 from tokenmdp.rl.update import minibatch_loss, prepare_minibatch, split_minibatches
 
 __all__ = ["RunTrace", "mdp_training_run"]

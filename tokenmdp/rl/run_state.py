@@ -36,20 +36,20 @@ from tokenmdp.distributed import (
     data_parallel_loss_scale,
     rank_and_world_size,
 )
-from tokenmdp.estimators.weight_diagnostics import batch_weight_sums, diagnostics_from_sums
+from tokenmdp.estimators.corrections.diagnostics import batch_weight_sums, diagnostics_from_sums
 from tokenmdp.model import MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing
 from tokenmdp.rl.checkpoint import check_model_config, load_checkpoint, save_checkpoint
 from tokenmdp.rl.config import DTYPES, TrainConfig
-from tokenmdp.rl.rollout import (
+from tokenmdp.rl.mismatch import (
     ENGINE_ROUTING,
     OLD_ROUTING,
-    RolloutEngine,
     RoutingReplay,
     compute_old_logprobs,
     routing_mismatch_counts,
     training_inference_kl,
 )
+from tokenmdp.rl.rollout import RolloutEngine
 from tokenmdp.rl.run_setup import build_estimator, build_model, load_init
 from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
 from tokenmdp.rl.update import (

@@ -7,7 +7,7 @@ One RL step (``mode="rl"``), reading order of :func:`train`:
 2. the task scores every response exactly (``reward``);
 3. the batch is packed (first-fit decreasing, rows of ``max prompt + max_new_tokens``);
 4. the ``old_logprob`` pass records the training engine's routing (R2) or replays the engine's
-   (R3) (:func:`~tokenmdp.rl.rollout.compute_old_logprobs`); ``ref_logprob`` from the reference
+   (R3) (:func:`~tokenmdp.rl.mismatch.compute_old_logprobs`); ``ref_logprob`` from the reference
    (the initial model) when the estimator has a KL penalty;
 5. :func:`~tokenmdp.estimators.prepare` runs **once** on the whole step: the advantages need
    whole groups;
@@ -82,22 +82,11 @@ from tokenmdp.rl.options import add_config_arguments, config_from_args
 from tokenmdp.rl.run_folder import RunLock, check_run_folder
 from tokenmdp.rl.run_setup import (
     SFT_ESTIMATOR,
-    build_estimator,
-    build_model,
     load_init,
-    model_config,
 )
 from tokenmdp.rl.run_state import NonFiniteError, _Run
-from tokenmdp.rl.update import (
-    TrainingPass,
-    minibatch_loss,
-    prepare_minibatch,
-    split_minibatches,
-)
 
-__all__ = ["SFT_ESTIMATOR", "TIMING_FIELDS", "NonFiniteError", "TrainingPass", "build_estimator",
-           "build_model", "load_init", "main", "minibatch_loss", "model_config",
-           "prepare_minibatch", "run_and_report", "split_minibatches", "train"]
+__all__ = ["SFT_ESTIMATOR", "TIMING_FIELDS", "main", "run_and_report", "train"]
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from tokenmdp.distributed import all_reduce_floats, global_counts
 from tokenmdp.estimators import Estimator
 from tokenmdp.model import MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
-from tokenmdp.rl.rollout import RoutingReplay, replay_routing
+from tokenmdp.rl.mismatch import RoutingReplay, replay_routing
 
 __all__ = ["LOW_PROBABILITY", "TrainingPass", "blame_stats", "blame_sums", "minibatch_loss",
            "prepare_minibatch", "split_minibatches"]
@@ -49,7 +49,7 @@ class TrainingPass(torch.nn.Module):
         batch : TokenBatch
             The mini-batch.
         routing : RoutingTrace or LongTensor ``[R, C, L, K]``, optional
-            Experts to replay (:func:`~tokenmdp.rl.rollout.replay_routing`).
+            Experts to replay (:func:`~tokenmdp.rl.mismatch.replay_routing`).
 
         Returns
         -------
@@ -85,7 +85,7 @@ def minibatch_loss(model: MoETransformer | torch.nn.Module, batch: TokenBatch, e
     estimator : Estimator
         The estimator whose loss is computed.
     replay : RoutingReplay or str, default RoutingReplay.NONE
-        The routing the pass replays (:func:`~tokenmdp.rl.rollout.replay_routing`).
+        The routing the pass replays (:func:`~tokenmdp.rl.mismatch.replay_routing`).
     load_balancing_coef : float, default 0.0
         Coefficient of the load-balancing term (0: left out; a ``ValueError`` when positive and
         the model reports no load-balancing loss).

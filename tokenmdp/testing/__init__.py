@@ -40,6 +40,14 @@ wrapped by :func:`estimator_loss` and :func:`estimator_prepare`;
 
 Hypothesis is needed for the strategies only (``pip install hypothesis``); the checks work
 without it.
+
+Floors, top to bottom::
+
+    checks
+    lattice_strategies, models, report, strategies
+
+It imports the narrow waist, the estimators and the exact world (for MDP strategies and the
+default model); never the trainer or the course.
 """
 
 from tokenmdp.testing.checks import (
@@ -47,16 +55,15 @@ from tokenmdp.testing.checks import (
     FLOAT32_RTOL,
     FLOAT64_ATOL,
     FLOAT64_RTOL,
-    InvarianceReport,
     LossFn,
-    TokenTable,
     check_layout_invariance,
     check_micro_batch_invariance,
-    default_tolerances,
     estimator_loss,
     estimator_prepare,
     per_micro_batch_token_mean,
 )
+from tokenmdp.testing.models import TokenTable
+from tokenmdp.testing.report import InvarianceReport, default_tolerances
 
 _STRATEGIES = ("LAYOUT_KINDS", "Layout", "MicroBatchSplit", "estimators", "layouts", "mdps",
                "micro_batch_splits", "token_batches")

@@ -31,7 +31,7 @@ import torch
 from tokenmdp import estimators as _est
 from tokenmdp.batch import TokenBatch
 from tokenmdp.exact import TokenMDP
-from tokenmdp.testing.models import TokenTable, _resolve_model
+from tokenmdp.testing.models import _resolve_model
 from tokenmdp.testing.report import (
     FLOAT32_ATOL,
     FLOAT32_RTOL,
@@ -40,14 +40,11 @@ from tokenmdp.testing.report import (
     InvarianceReport,
     _report,
     _tolerances,
-    default_tolerances,
 )
 
-__all__ = [
-    "FLOAT32_ATOL", "FLOAT32_RTOL", "FLOAT64_ATOL", "FLOAT64_RTOL", "InvarianceReport", "LossFn",
-    "TokenTable", "check_layout_invariance", "check_micro_batch_invariance", "default_tolerances",
-    "estimator_loss", "estimator_prepare", "per_micro_batch_token_mean",
-]
+__all__ = ["FLOAT32_ATOL", "FLOAT32_RTOL", "FLOAT64_ATOL", "FLOAT64_RTOL", "LossFn",
+           "check_layout_invariance", "check_micro_batch_invariance", "estimator_loss", "estimator_prepare",
+           "per_micro_batch_token_mean"]
 
 # typing's alias, not collections.abc's: only it takes a __doc__ (read by help() and numpydoc)
 LossFn = typing.Callable[[torch.Tensor, TokenBatch], torch.Tensor]

@@ -18,7 +18,7 @@ from tokenmdp import estimators as _est
 from tokenmdp import packing as _pk
 from tokenmdp.batch import TokenBatch
 from tokenmdp.exact import TokenMDP
-from tokenmdp.exact import rewards as _rewards
+from tokenmdp.exact.world import rewards as _rewards
 
 __all__ = ["Layout", "MicroBatchSplit", "estimators", "layouts", "mdps", "micro_batch_splits",
            "token_batches"]
@@ -273,7 +273,7 @@ def mdps(draw, *, max_vocab_size: int = 4, max_len: int = 3, max_prompts: int = 
 
     Vocabulary 2 to ``max_vocab_size`` (EOS last), response length limit 1 to ``max_len``,
     1 to ``max_prompts`` distinct prompts of 1 to ``max_prompt_len`` tokens with random
-    probabilities, and one of the rewards of :mod:`tokenmdp.exact.rewards` (a seeded random
+    probabilities, and one of the rewards of :mod:`tokenmdp.exact.world.rewards` (a seeded random
     table, with or without a length term, a token count, a parity).
     """
     _check_int("max_vocab_size", max_vocab_size, 2)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 from tokenmdp import exact as E
 from tokenmdp.exact import lattice as L
-from tokenmdp.exact.chi_square import chi_square as enum_chi_square
+from tokenmdp.exact.world.chi_square import chi_square as enum_chi_square
 from tokenmdp.testing.lattice_strategies import lattice_mdps
 
 from .conftest import policies, twin

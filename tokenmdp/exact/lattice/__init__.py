@@ -14,6 +14,17 @@ ground truth and the moments of token-level estimators are forward/backward recu
   entropy, the trust-region surrogate and bound;
 * :mod:`~tokenmdp.exact.lattice.moments` — exact mean and variance of token-level estimators
   (Monte Carlo on the lattice where not exact).
+
+Floors, top to bottom::
+
+    behavior, moments
+    ground_truth
+    monte_carlo, policy
+    mdp
+    automaton, coefficients
+
+It imports the exact world's MDP, policies and behaviour copies, the lab's
+:class:`~tokenmdp.exact.Moments` and :mod:`tokenmdp.estimators`; never an analysis.
 """
 
 from tokenmdp.exact.lattice.automaton import (

@@ -1,6 +1,6 @@
 """Behaviour policies on the lattice: staleness and training–inference discrepancy.
 
-As :mod:`tokenmdp.exact.behavior` builds them for the enumerable MDP: :func:`stale_copy`
+As :mod:`tokenmdp.exact.world.behavior` builds them for the enumerable MDP: :func:`stale_copy`
 (``π_old``: the logits moved back along a direction or by exact gradient steps) and
 :func:`inference_copy` (``μ``: the same logits rounded to a low-precision grid, perturbed by a
 fixed noise, tempered). Both return :class:`~tokenmdp.exact.lattice.LatticePolicy` objects.
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from tokenmdp.exact.behavior import round_logits
 from tokenmdp.exact.lattice.ground_truth import gradient
 from tokenmdp.exact.lattice.mdp import LatticeMDP
 from tokenmdp.exact.lattice.policy import LatticePolicy, check_lattice_policy
-from tokenmdp.exact.policies import check_number
+from tokenmdp.exact.world.behavior import round_logits
+from tokenmdp.exact.world.policies import check_number
 
 __all__ = ["stale_copy", "inference_copy"]
 

@@ -25,17 +25,18 @@ import torch
 
 from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators import Estimator, loss, prepare
-from tokenmdp.estimators.advantages import Advantage
-from tokenmdp.estimators.corrections import (
+from tokenmdp.estimators.advantages.group import Advantage
+from tokenmdp.estimators.corrections.factor import (
     ImportanceSampling,
     Level,
     MaskedIS,
     NoCorrection,
     TruncatedIS,
 )
-from tokenmdp.estimators.soft_surrogates import SAPO, EntropyBonus
-from tokenmdp.estimators.surrogates import CISPO, MiniRL, PPOClip, Reinforce, TokenRatio
-from tokenmdp.estimators.trust_region_masks import DPPO
+from tokenmdp.estimators.surrogates.clipped import CISPO, MiniRL, PPOClip
+from tokenmdp.estimators.surrogates.soft import SAPO, EntropyBonus
+from tokenmdp.estimators.surrogates.token import Reinforce, TokenRatio
+from tokenmdp.estimators.surrogates.trust_region_masks import DPPO
 
 __all__ = ["LOCAL_SURROGATES", "exact_support", "length_weights", "token_coefficients"]
 

@@ -294,7 +294,7 @@ def log_second_moment(mdp: LatticeMDP, target: LatticePolicy, behavior: LatticeP
 def chi_square(mdp: LatticeMDP, target: LatticePolicy, behavior: LatticePolicy, *,
                level: str = "sequence", group_size: int = 1) -> torch.Tensor:
     """``χ²(target ‖ behavior)`` of whole responses or per token (as
-    :func:`tokenmdp.exact.chi_square.chi_square`).
+    :func:`tokenmdp.exact.world.chi_square.chi_square`).
 
     Parameters
     ----------

@@ -16,9 +16,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from tokenmdp.exact.budget import check_budget
 from tokenmdp.exact.lattice.automaton import RewardAutomaton
-from tokenmdp.exact.mdp import TokenMDP
+from tokenmdp.exact.world.budget import check_budget
+from tokenmdp.exact.world.mdp import TokenMDP
 
 __all__ = ["LatticeMDP", "to_token_mdp", "BYTES_PER_ENTRY"]
 
@@ -41,7 +41,7 @@ class LatticeMDP:
         Added to the automaton's reward: a float ``c`` gives ``c · |y|`` (``c < 0`` a length
         penalty); a sequence of ``T + 1`` floats gives ``length_reward[|y|]`` (entry 0 unused).
     memory_budget : int or str, optional
-        Bytes the lattice may need (:func:`~tokenmdp.exact.budget.memory_budget`); the
+        Bytes the lattice may need (:func:`~tokenmdp.exact.world.budget.memory_budget`); the
         ``T · K · V`` entries times :data:`BYTES_PER_ENTRY` are checked before anything is
         allocated.
 

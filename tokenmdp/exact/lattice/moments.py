@@ -38,12 +38,12 @@ import math
 import torch
 
 from tokenmdp.estimators import Estimator
+from tokenmdp.exact.lab.moments_result import Moments, _exact_moments
 from tokenmdp.exact.lattice.coefficients import exact_support, length_weights, token_coefficients
 from tokenmdp.exact.lattice.ground_truth import _forward, gradient, transition_matrices
 from tokenmdp.exact.lattice.mdp import LatticeMDP
 from tokenmdp.exact.lattice.monte_carlo import monte_carlo_moments
 from tokenmdp.exact.lattice.policy import LatticePolicy, check_lattice_policy
-from tokenmdp.exact.moments_result import Moments, _exact_moments
 
 __all__ = ["moments", "MAX_CONFIGURATIONS", "MAX_COVARIANCE_DIM"]
 

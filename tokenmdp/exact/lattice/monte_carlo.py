@@ -18,8 +18,8 @@ import torch
 
 from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators import Estimator, loss, prepare
+from tokenmdp.exact.lab.moments_result import Moments
 from tokenmdp.exact.lattice.mdp import LatticeMDP
-from tokenmdp.exact.moments_result import Moments
 
 __all__ = ["sample", "group_batch", "step_gradients", "monte_carlo_moments"]
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from tokenmdp.exact.lattice.mdp import LatticeMDP
-from tokenmdp.exact.mdp import TokenMDP
-from tokenmdp.exact.policies import PrefixPolicy, check_number
+from tokenmdp.exact.world.mdp import TokenMDP
+from tokenmdp.exact.world.policies import PrefixPolicy, check_number
 
 __all__ = ["LatticePolicy", "check_lattice_policy", "as_prefix_policy"]
 

@@ -1,0 +1,29 @@
+"""The tutorials' exercises, checked against the exact answer: ``tokenmdp.check(name, value)``.
+
+The front door: :func:`check`, :func:`names`, :func:`get`, :func:`expected` and
+:class:`Exercise` from :mod:`~tokenmdp.course.exercises.registry`, with every exercise
+registered, and the estimators of tutorials 6 and 10 (:func:`tr06_estimator`,
+:func:`tr10_prorl`).
+
+Floors, top to bottom::
+
+    t01_05, t06, t07, t08, t09, t10
+    registry
+
+* :mod:`~tokenmdp.course.exercises.registry` — :class:`Exercise`, registration, the named
+  tolerances, :func:`check` (imports nothing of tokenmdp);
+* ``t01_05``, ``t06``, ... ``t10`` — each tutorial's exercises: its setup and how the package
+  computes each answer, registered on import.
+
+It may import the course's setups, the exact world and the estimators; nothing imports it but
+the package's ``tokenmdp.check`` (loaded on first use) and the tutorials.
+"""
+
+# importing a tutorial's module registers its exercises; tutorial 6's come first in names()
+from tokenmdp.course.exercises import t06  # noqa: F401, I001
+from tokenmdp.course.exercises import t01_05, t07, t08, t09, t10  # noqa: F401
+from tokenmdp.course.exercises.registry import Exercise, check, expected, get, names
+from tokenmdp.course.exercises.t06 import tr06_estimator
+from tokenmdp.course.exercises.t10 import tr10_prorl
+
+__all__ = ["Exercise", "check", "expected", "get", "names", "tr06_estimator", "tr10_prorl"]

@@ -1,0 +1,98 @@
+"""The exercises of tutorial 8 (KL regularization), registered in :mod:`~tokenmdp.course.exercises.registry`.
+
+Each expected value is computed by the package along a route the tutorial does not ask the
+student to take: Gauss–Hermite quadrature where the student uses the closed forms, exact
+``kl_penalty_moments`` and ``kl_gradients`` on :func:`tokenmdp.course.tutorials.t08.kl_world` where the
+student reads the gradient table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tokenmdp.course.exercises.registry import EXACT_TOL, _exercise
+from tokenmdp.course.tutorials.t08 import kl_world
+from tokenmdp.estimators import KLPenalty, kl_k3
+
+#: The crossing is bracketed in this range of mean shifts ``μ`` (q = N(μ, 1), p = N(0, 1)).
+TR08_BRACKET = (0.5, 3.0)
+#: A root found to this absolute accuracy in ``μ``.
+ROOT_TOL = 1e-8
+#: Nodes of the Gauss–Hermite rule (exact for polynomials of degree < 2 · nodes; the integrands
+#: are smooth and grow like ``exp(2μ|x|)``, integrated to about 1e-13 for ``μ <= 3``).
+QUADRATURE_NODES = 120
+#: The sequence world of the gradient exercises (responses of at most 3 tokens).
+TR08_SEQUENCE_LEN = 3
+
+
+def _gaussian_relative_sds(mu: float) -> tuple[float, float]:
+    """``(sd(k2), sd(k3)) / KL(q‖p)`` for ``x ~ q = N(μ, 1)``, ``p = N(0, 1)``, by quadrature."""
+    z, w = np.polynomial.hermite_e.hermegauss(QUADRATURE_NODES)
+    w = w / math.sqrt(2 * math.pi)                         # E[f(z)], z ~ N(0, 1)
+    x = mu + z
+    log_r = -0.5 * x ** 2 + 0.5 * (x - mu) ** 2            # log p(x) − log q(x)
+    kl = float(w @ -log_r)
+    sds = []
+    for k in (0.5 * log_r ** 2, np.expm1(log_r) - log_r):
+        mean = float(w @ k)
+        sds.append(math.sqrt(float(w @ (k - mean) ** 2)) / kl)
+    return sds[0], sds[1]
+
+
+@_exercise("tr08_k3_k2_crossover",
+           quantity="the mean shift μ (q = N(μ, 1), p = N(0, 1)) above which k3's standard "
+                    "deviation exceeds k2's",
+           tolerance=ROOT_TOL, tolerance_name="ROOT_TOL",
+           hint="With log r ~ N(−μ²/2, μ²): sd(k2)/KL = √(2 + μ²) and sd(k3)/KL = "
+                "√(e^{μ²} − 1 − μ²)/(μ²/2); find where they are equal (bisection on [0.5, 3]).")
+def _tr08_k3_k2_crossover() -> float:
+    lo, hi = TR08_BRACKET
+
+    def k3_minus_k2(mu):
+        sd2, sd3 = _gaussian_relative_sds(mu)
+        return sd3 - sd2
+
+    if not (k3_minus_k2(lo) < 0 < k3_minus_k2(hi)):
+        raise RuntimeError("tr08_k3_k2_crossover: the crossing is not bracketed")
+    while hi - lo > ROOT_TOL * 1e-5:          # far below the tolerance: 40 halvings
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if k3_minus_k2(mid) < 0 else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def _relative_distance(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@_exercise("tr08_k3_loss_relative_bias",
+           quantity="‖E[∇ of β·k3 in the loss]/β − ∇KL(π‖π_ref)‖ / ‖∇KL(π‖π_ref)‖ on "
+                    "kl_world(3)",
+           tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
+           hint="kl_penalty_moments(mdp, π, π_ref, KLPenalty(coef=β, in_reward=False, "
+                "estimator=kl_k3)).mean is the ascent direction −β E[∇k3]; compare −mean/β with "
+                "kl_gradients(mdp, π, π_ref).reverse.")
+def _tr08_k3_loss_relative_bias() -> float:
+    from tokenmdp.exact.analysis.kl_gradients import kl_gradients, kl_penalty_moments
+
+    mdp, pi, ref, _ = kl_world(TR08_SEQUENCE_LEN)
+    delivered = -kl_penalty_moments(mdp, pi, ref, KLPenalty(coef=1.0, in_reward=False,
+                                                            estimator=kl_k3)).mean
+    return _relative_distance(delivered, kl_gradients(mdp, pi, ref).reverse)
+
+
+@_exercise("tr08_is_k3_off_policy_gap",
+           quantity="‖E_μ[ĝ] of importance-weighted k3 in the loss − E_π[ĝ] of k3 in the loss‖ "
+                    "/ ‖E_π[ĝ]‖ on kl_world(3)",
+           tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
+           hint="Both are kl_penalty_moments(...).mean: the first with "
+                "KLPenalty(..., importance_weighted=True) and behavior=μ, the second on-policy.")
+def _tr08_is_k3_off_policy_gap() -> float:
+    from tokenmdp.exact.analysis.kl_gradients import kl_penalty_moments
+
+    mdp, pi, ref, mu = kl_world(TR08_SEQUENCE_LEN)
+    weighted = KLPenalty(coef=1.0, in_reward=False, importance_weighted=True)
+    off = kl_penalty_moments(mdp, pi, ref, weighted, behavior=mu).mean
+    on = kl_penalty_moments(mdp, pi, ref, KLPenalty(coef=1.0, in_reward=False)).mean
+    return _relative_distance(off, on)

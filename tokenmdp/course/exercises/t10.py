@@ -1,0 +1,116 @@
+"""The exercises of tutorial 10 (the capstone zoo), registered in :mod:`~tokenmdp.course.exercises.registry`.
+
+The setup is the tutorial's: the course's MDP and policy (:func:`tokenmdp.course.setups.copy_task`)
+as the initial policy ``π_0`` (and as ``π_old`` and ``π_ref``), groups of ``TR10_GROUP_SIZE``.
+The expected values come from :func:`tokenmdp.exact.train_exact` (the loop the student writes
+out by hand) and exact :func:`tokenmdp.exact.moments` with dynamic sampling; the tests take a
+third route (a closed-form tabular step, a sum over reward values, every multiset of a group
+stacked in one batch through the library's loss).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise
+from tokenmdp.course.setups import copy_task, step_along
+from tokenmdp.estimators import Aggregation, Estimator, GroupNormalized, KLPenalty, PPOClip, kl_k3
+from tokenmdp.estimators import get as get_estimator
+from tokenmdp.exact import gradient, moments, train_exact
+
+__all__ = ["tr10_prorl"]
+
+#: Responses per prompt in tutorial 10.
+TR10_GROUP_SIZE = 4
+#: Groups per update of exercise 1's run.
+TR10_GROUPS = 2
+#: Seed of exercise 1's batch generator.
+TR10_SEED = 10
+#: Step size of exercise 1's plain gradient ascent.
+TR10_LR = 1.0
+#: ProRL's clip band (Liu et al. 2025, arXiv 2505.24864: decoupled clip, ε_high = 0.4).
+TR10_EPS_LOW, TR10_EPS_HIGH = 0.2, 0.4
+#: The KL coefficient of the composition (GRPO's 0.04, not ProRL's own setting).
+TR10_BETA = 0.04
+#: The stale step of exercise 3: ``π_θ = π_old + s ∇J/‖∇J‖``.
+TR10_STALE_STEP = 1.0
+
+
+def tr10_prorl(*, eps_high: float = TR10_EPS_HIGH, beta: float | None = TR10_BETA) -> Estimator:
+    """Tutorial 10's reading of ProRL's loss, composed from the registry's parts.
+
+    PPO's clip with the decoupled band ``[1 − 0.2, 1 + eps_high]``, GRPO's group mean/std
+    advantage (sample std, ε 1e-6), DAPO's token mean over the step, and GRPO's k3 penalty to
+    ``π_ref`` in the loss with coefficient ``beta`` (None: no penalty). Dynamic sampling is a
+    property of the data (``filter_groups=True`` in :func:`~tokenmdp.exact.moments`).
+
+    Parameters
+    ----------
+    eps_high : float, default ``TR10_EPS_HIGH``
+        The upper clip range (DAPO's is 0.28).
+    beta : float or None, default ``TR10_BETA``
+        The KL coefficient, or None for no penalty.
+
+    Returns
+    -------
+    Estimator
+    """
+    kl = None if beta is None else KLPenalty(coef=beta, in_reward=False, estimator=kl_k3)
+    return Estimator(name="prorl", surrogate=PPOClip(eps_low=TR10_EPS_LOW, eps_high=eps_high),
+                     advantage=GroupNormalized(ddof=1, eps=1e-6),
+                     aggregation=Aggregation.TOKEN_MEAN, kl=kl)
+
+
+@_exercise("tr10_one_update_J",
+           quantity="the exact J after one update of plain gradient ascent (lr 1) with RLOO on "
+                    "two groups of G = 4 responses drawn with the seed 10 (tutorial 10, "
+                    "exercise 1)",
+           tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
+           hint="sample(mdp, π_0, 8, generator=torch.Generator().manual_seed(10), group_size=4), "
+                "set old_logprob, prepare with the rloo estimator, ĝ = −∇ of its loss, "
+                "θ ← θ + 1.0 · ĝ, then objective(mdp, π_1).")
+def _tr10_one_update_J() -> float:
+    mdp, pi0 = copy_task()
+    run = train_exact(mdp, pi0, get_estimator("rloo"), updates=1, group_size=TR10_GROUP_SIZE,
+                      groups_per_update=TR10_GROUPS, lr=TR10_LR,
+                      generator=torch.Generator().manual_seed(TR10_SEED))
+    return float(run.objective[1])
+
+
+@_exercise("tr10_keep_probability",
+           quantity="the probability that dynamic sampling keeps a group of G = 4 responses "
+                    "drawn from π_0 (rewards not all equal; tutorial 10, exercise 2)",
+           tolerance=SHARE_TOL, tolerance_name="SHARE_TOL",
+           hint="A group is dropped when all G rewards are equal: P(drop) = Σ_x D(x) Σ_r "
+                "P(R = r | x)^G, with P(R = r | x) summed from the response probabilities.")
+def _tr10_keep_probability() -> float:
+    mdp, pi0 = copy_task()
+    return moments(mdp, pi0, tr10_prorl(), group_size=TR10_GROUP_SIZE, reference=pi0,
+                   filter_groups=True, method="enumeration").keep_probability
+
+
+def tr10_stale_pair():
+    """Exercise 3's world: ``(mdp, π_θ, π_old)``, ``π_θ`` one step of ``TR10_STALE_STEP``
+    along ``∇J(π_old)`` from ``π_old = π_0`` (also the reference policy).
+
+    Returns
+    -------
+    (TokenMDP, nn.Module, TabularPolicy)
+        Fresh objects on every call.
+    """
+    mdp, old = copy_task()
+    return mdp, step_along(old, gradient(mdp, old), TR10_STALE_STEP), old
+
+
+@_exercise("tr10_prorl_stale_cosine",
+           quantity="cos(E[ĝ], ∇J) of the ProRL composition with dynamic sampling, one step of "
+                    "length 1 from π_old = π_ref = π_0, data from π_old, G = 4 (tutorial 10, "
+                    "exercise 3)",
+           tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
+           hint="moments(mdp, π_θ, prorl, group_size=4, behavior=π_old, reference=π_old, "
+                "filter_groups=True).cosine, with prorl's band [0.8, 1.4], GRPO's advantage, the "
+                "token mean and β = 0.04 k3 in the loss.")
+def _tr10_prorl_stale_cosine() -> float:
+    mdp, pi, old = tr10_stale_pair()
+    return moments(mdp, pi, tr10_prorl(), group_size=TR10_GROUP_SIZE, behavior=old,
+                   reference=old, filter_groups=True, method="enumeration").cosine

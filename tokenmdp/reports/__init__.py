@@ -1,0 +1,15 @@
+"""What the exact lab reports to a reader: the compare table and its hints, estimator cards, plots.
+
+Floors, top to bottom::
+
+    cards, hints
+    comparison, plots
+
+* :mod:`~tokenmdp.reports.comparison` — what ``tokenmdp compare`` computes: the setup, ``c*``
+  and ``MSE(c*)``, the legend;
+* :mod:`~tokenmdp.reports.hints` — the computed one-line hints under the compare table;
+* :mod:`~tokenmdp.reports.cards` — estimator cards (terminal and docs) with a live row;
+* :mod:`~tokenmdp.reports.plots` — comparison, first-order and length-drift plots.
+
+It imports the exact world and the estimators; never the trainer or the course.
+"""
