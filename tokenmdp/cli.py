@@ -136,6 +136,8 @@ def format_line(cells: list[str], widths: list[int]) -> str:
 
 def _output_folder(value: str) -> Path:
     """The ``--out`` folder, created; a clear error if it cannot be."""
+    if not value.strip():
+        raise ValueError("--out: empty; name a folder (the default is compare_out)")
     out = Path(value)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a folder")
@@ -163,12 +165,7 @@ def _write_outputs(out: Path, rows: list[dict], config: dict, title: str) -> Non
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Exact bias, variance and MSE of estimators against the true ∇J; table, PNG, CSV, JSON."""
-    import torch
-
     from tokenmdp import estimators
-    from tokenmdp.exact import sequence_kl
-    from tokenmdp.reports.comparison import LEGEND, build_lab, describe_scenario, timed_row
-    from tokenmdp.reports.hints import hints
 
     if args.threads < 1:
         raise ValueError(f"--threads: must be >= 1, got {args.threads}")
@@ -178,7 +175,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for n in names:
         estimators.get(n)  # unknown names fail here, before any work
     setup = _setup(args)
+    created = not Path(args.out).exists() if args.out.strip() else False
     out = _output_folder(args.out)
+    try:
+        return _compare(args, setup, names, out)
+    except BaseException:           # a refused size or Ctrl-C: leave no empty folder behind
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def _compare(args: argparse.Namespace, setup: Setup, names: list[str], out: Path) -> int:
+    import torch
+
+    from tokenmdp.exact import sequence_kl
+    from tokenmdp.reports.comparison import LEGEND, build_lab, describe_scenario, timed_row
+    from tokenmdp.reports.hints import hints
+
     torch.set_num_threads(args.threads)
     lab = build_lab(setup)
     print(lab.mdp)
@@ -230,13 +243,13 @@ def cmd_estimators(args: argparse.Namespace) -> int:
 
 def cmd_tutorials(args: argparse.Namespace) -> int:
     """List the tutorials, or write their student editions (solutions stubbed) and full ones."""
-    from tokenmdp.course.student_editions import find_tutorials, write_editions
+    from tokenmdp.course.student_editions import find_tutorials, read_tutorial, write_editions
 
     if args.student is None:
         if args.overwrite or args.ipynb:
             raise ValueError("--overwrite, --ipynb: only with --student OUT_DIR")
         for path in find_tutorials(args.source):
-            text = path.read_text(encoding="utf-8")
+            text = read_tutorial(path)
             title = next((line[2:].strip() for line in text.splitlines()
                           if line.startswith("# # Tutorial")), path.stem)
             exercises = sum(line.strip() == "# Check" for line in text.splitlines())
@@ -333,11 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     -------
     int
         The exit status of the command (0 on success). A usage error (a ``ValueError``) exits 2
-        and a diverged run 1, each with one line on stderr, through ``SystemExit``.
+        and a diverged run 1, each with one line on stderr, through ``SystemExit``; a reader
+        that closed standard output ends the command quietly with :data:`BROKEN_PIPE_STATUS`.
     """
     parser = make_parser()
     args = parser.parse_args(argv)
-    from tokenmdp.rl.run_state import NonFiniteError
+    from tokenmdp.rl.run_state import (
+        INTERRUPTED_NOW,
+        INTERRUPTED_STATUS,
+        NonFiniteError,
+        RunInterrupted,
+    )
 
     try:
         return int(args.func(args) or 0)
@@ -345,6 +364,30 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"tokenmdp {args.command}: error: {err}\n")
     except NonFiniteError as err:  # a run that diverged: its output folder says how far it got
         parser.exit(1, f"tokenmdp {args.command}: stopped: {err}\n")
+    except RunInterrupted as err:  # Ctrl-C once: stopped at a step with its checkpoint
+        parser.exit(INTERRUPTED_STATUS, f"tokenmdp {args.command}: stopped: {err}\n")
+    except KeyboardInterrupt:  # Ctrl-C twice, or outside a training run
+        parser.exit(INTERRUPTED_STATUS, f"tokenmdp {args.command}: stopped: {INTERRUPTED_NOW}\n")
+    except BrokenPipeError:  # the reader went away (`tokenmdp estimators | head`): stop quietly
+        _silence_stdout()
+        return BROKEN_PIPE_STATUS
+
+
+#: The exit status when the reader of standard output closed it: 128 + SIGPIPE, as a shell
+#: reports for a program the signal ended.
+BROKEN_PIPE_STATUS = 141
+
+
+def _silence_stdout() -> None:
+    # Python flushes stdout once more at exit; point it at /dev/null so that flush cannot raise
+    # BrokenPipeError again (the recipe of the `signal` module's documentation)
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):   # stdout without a file descriptor (captured): nothing to do
+        pass
 
 
 if __name__ == "__main__":

@@ -158,3 +158,22 @@ def test_per_micro_batch_normalization_is_a_different_estimator():
     mean_of_means = sum(per_micro_batch_token_mean_loss(lp[torch.as_tensor(r)], part, est)[0]
                         for r, part in zip(rows, parts, strict=True)) / len(rows)
     assert abs(mean_of_means.item() - full.item()) > 1e-3
+
+
+def test_a_counting_mask_beyond_the_loss_mask_is_refused_everywhere_it_is_taken():
+    """count_step, count_groups and loss_weights count only loss tokens: a mask that selects
+    prompt or padding tokens (here every token: 1 + 3 + 2 + 0 response tokens of 13 in all)
+    would count 13 instead of 6 and make every normalizer wrong without a word."""
+    from tokenmdp.estimators import count_groups
+
+    batch = make_batch([[1], [2, 3], [4], [5, 6]], [[7], [8, 9, 10], [11, 12], []])
+    every_token = batch.sequence_id >= 0
+    assert int(every_token.sum()) > int(batch.loss_mask.sum()) == 6
+    for call in (lambda: count_step(batch, every_token),
+                 lambda: count_groups(batch, every_token, sequences="with-loss-tokens"),
+                 lambda: loss_weights(batch, Aggregation.TOKEN_MEAN, mask=every_token)):
+        with pytest.raises(ValueError, match="outside batch.loss_mask"):
+            call()
+    with pytest.raises(ValueError, match="mask_RC: expected a bool tensor"):
+        count_step(batch, every_token.to(torch.int64))
+    assert count_step(batch, batch.loss_mask) == count_step(batch) == (6, 4)

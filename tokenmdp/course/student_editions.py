@@ -23,7 +23,7 @@ import ast
 import re
 from pathlib import Path
 
-__all__ = ["find_tutorials", "split_cells", "student_edition", "write_editions"]
+__all__ = ["find_tutorials", "read_tutorial", "split_cells", "student_edition", "write_editions"]
 
 SOLUTION, CHECK = "# Solution", "# Check"
 #: A cell marker of the percent format (``# %%``, ``# %% [markdown]``, ``# %% tags``, ...).
@@ -179,7 +179,37 @@ def find_tutorials(source: str | Path | None = None) -> list[Path]:
     paths = sorted(folder.glob("[0-9][0-9]_*.py"))
     if not paths:
         raise ValueError(f"--source: no tutorial scripts NN_*.py in {folder}")
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"--source: {path} is not a file (a tutorial is a NN_*.py script)")
     return paths
+
+
+def read_tutorial(path: str | Path) -> str:
+    """The text of the tutorial script ``path``, read as UTF-8.
+
+    Parameters
+    ----------
+    path : str or Path
+        A ``NN_*.py`` script (:func:`find_tutorials`).
+
+    Returns
+    -------
+    str
+
+    Raises
+    ------
+    ValueError
+        ``--source``: the file cannot be read, or is not UTF-8 text (named, with the offset).
+    """
+    path = Path(path)
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--source: {path} is not UTF-8 text (byte {err.object[err.start]:#04x} "
+                         f"at offset {err.start})") from None
+    except OSError as err:
+        raise ValueError(f"--source: cannot read {path} ({err.strerror or err})") from None
 
 
 def _out_folder(out_dir: str | Path, overwrite: bool) -> Path:
@@ -230,7 +260,7 @@ def write_editions(out_dir: str | Path, *, source: str | Path | None = None,
             raise ValueError("--ipynb: needs jupytext (pip install jupytext)") from None
     editions = {"student": [], "full": []}
     for path in paths:
-        text = path.read_text(encoding="utf-8")
+        text = read_tutorial(path)
         try:
             editions["student"].append((path.name, student_edition(text)))
         except ValueError as err:

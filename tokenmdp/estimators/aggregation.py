@@ -94,6 +94,21 @@ def _sequence_count(value) -> SequenceCount:
                          f"{value!r}") from None
 
 
+def _counted(batch: TokenBatch, mask_RC: torch.Tensor | None, name: str) -> torch.Tensor:
+    """The tokens that count: ``batch.loss_mask``, or ``mask_RC`` checked to lie inside it (a
+    mask that selects prompt or padding tokens would make every normalizer silently wrong)."""
+    if mask_RC is None:
+        return batch.loss_mask
+    if not isinstance(mask_RC, torch.Tensor) or mask_RC.shape != batch.loss_mask.shape \
+            or mask_RC.dtype != torch.bool:
+        raise ValueError(f"{name}: expected a bool tensor of shape "
+                         f"{tuple(batch.loss_mask.shape)}")
+    if bool((mask_RC & ~batch.loss_mask).any()):
+        raise ValueError(f"{name}: set on tokens outside batch.loss_mask (prompt, padding or "
+                         "masked response tokens never count)")
+    return mask_RC
+
+
 def count_step(batch: TokenBatch, mask_RC: torch.Tensor | None = None, *,
                sequences: SequenceCount | str = SequenceCount.SAMPLED) -> tuple[int, int]:
     """``(N_tokens, S)`` of ``batch``: tokens where ``mask_RC`` and the sequences ``S`` counts.
@@ -106,7 +121,8 @@ def count_step(batch: TokenBatch, mask_RC: torch.Tensor | None = None, *,
     batch : TokenBatch
         The batch (all or part of one optimizer step).
     mask_RC : BoolTensor ``[R, C]``, optional
-        The tokens to count (default ``batch.loss_mask``).
+        The tokens to count (default ``batch.loss_mask``); it must lie inside the loss mask
+        (``ValueError`` otherwise).
     sequences : SequenceCount or str, default ``SequenceCount.SAMPLED``
         What ``S`` counts: every sequence of ``batch``, or those with a token where ``mask_RC``.
 
@@ -118,7 +134,7 @@ def count_step(batch: TokenBatch, mask_RC: torch.Tensor | None = None, *,
         ``S``: the sequences of ``batch`` (``SAMPLED``), or those with at least one counted token.
     """
     sequences = _sequence_count(sequences)
-    mask = batch.loss_mask if mask_RC is None else mask_RC
+    mask = _counted(batch, mask_RC, "mask_RC")
     if sequences is SequenceCount.SAMPLED:
         return int(mask.sum()), batch.num_sequences
     per_seq = loss_token_counts(batch, mask)
@@ -137,7 +153,7 @@ def count_groups(batch: TokenBatch, mask_RC: torch.Tensor | None = None, *,
     batch : TokenBatch
         The batch (all or part of one optimizer step).
     mask_RC : BoolTensor ``[R, C]``, optional
-        The tokens that count (default ``batch.loss_mask``).
+        The tokens that count (default ``batch.loss_mask``); it must lie inside the loss mask.
     sequences : SequenceCount or str, default ``SequenceCount.SAMPLED``
         ``SAMPLED`` counts every group; ``WITH_LOSS_TOKENS`` the groups with a counted token.
 
@@ -151,7 +167,7 @@ def count_groups(batch: TokenBatch, mask_RC: torch.Tensor | None = None, *,
         return 0
     group = batch.group.long()
     if sequences is SequenceCount.WITH_LOSS_TOKENS:
-        mask = batch.loss_mask if mask_RC is None else mask_RC
+        mask = _counted(batch, mask_RC, "mask_RC")
         group = group[loss_token_counts(batch, mask) > 0]
     return int(torch.unique(group).numel())
 
@@ -282,12 +298,7 @@ def loss_weights(
         raise TypeError(f"mode: expected an Aggregation, got {type(mode).__name__} {mode!r} "
                         "(strings are parsed at the edge: Aggregation('token-mean'))")
     sequences = _sequence_count(sequences)
-    if mask is None:
-        mask = batch.loss_mask
-    elif mask.shape != batch.loss_mask.shape or mask.dtype != torch.bool:
-        raise ValueError(f"mask: expected a bool tensor of shape {tuple(batch.loss_mask.shape)}")
-    elif bool((mask & ~batch.loss_mask).any()):
-        raise ValueError("mask: set on tokens outside batch.loss_mask")
+    mask = _counted(batch, mask, "mask")
     max_len = _check_constant(max_len)
     step = _step_ids(batch, step, num_tokens, num_sequences, num_groups)
     per_seq = loss_token_counts(batch, mask)  # |y_i|, float [S]

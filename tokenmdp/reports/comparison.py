@@ -43,6 +43,9 @@ POLICIES = ("tabular", "loglinear", "neural")
 METHODS = ("auto", "exact", "monte_carlo")
 
 
+MAX_SEED = 2 ** 63 - 2  # the largest seed: seed + 1 (the engine's noise) is still a generator's
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """One comparison's MDP, policy and scenario (the defaults are ``tokenmdp compare``'s).
@@ -99,12 +102,13 @@ class Setup:
                                  f"{getattr(self, name)!r}")
         if self.vocab >= 2 and not 1 <= self.prompts <= self.vocab - 1:
             raise ValueError(f"prompts: must be in [1, {self.vocab - 1}] (one token per prompt)")
-        if self.group_size < 1:
-            raise ValueError(f"group_size: must be >= 1, got {self.group_size}")
-        if self.stale_distance < 0:
-            raise ValueError(f"stale_distance: must be >= 0, got {self.stale_distance}")
-        if self.noise < 0:
-            raise ValueError(f"noise: must be >= 0, got {self.noise}")
+        for name, low, high in (("group_size", 1, None), ("samples", 2, None),
+                                ("seed", 0, MAX_SEED), ("stale_distance", 0, None),
+                                ("noise", 0, None)):
+            value = getattr(self, name)
+            if value < low or (high is not None and value > high):
+                raise ValueError(f"{name}: must be {f'in [{low}, {high}]' if high else f'>= {low}'}"
+                                 f", got {value}")
 
     @property
     def stale(self) -> bool:

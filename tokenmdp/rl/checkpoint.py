@@ -10,10 +10,18 @@ file.
 :func:`load_checkpoint` reads a checkpoint for ``--init`` or ``--resume`` and raises
 ``ValueError`` with one line naming the option, the file and what is wrong (missing, a folder,
 not a PyTorch checkpoint, truncated, not written by the trainer, a model of another shape).
+
+Every checkpoint carries a SHA-256 digest of its contents (:func:`state_digest`: every tensor's
+dtype, shape and bytes, every other entry's value), computed before it is written and checked
+when it is read: PyTorch's zip container does not check its own CRCs, so a flipped bit in a
+tensor would otherwise load as a silently different model. A checkpoint without the digest (one
+written before it existed) loads unverified. :func:`load_state` puts a saved ``state_dict``
+into a module or optimizer and names the entry that does not fit it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import zipfile
@@ -21,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHECKPOINT", "REQUIRED_KEYS", "check_model_config", "load_checkpoint",
-           "save_checkpoint"]
+__all__ = ["CHECKPOINT", "DIGEST_KEY", "REQUIRED_KEYS", "check_model_config", "load_checkpoint",
+           "load_state", "save_checkpoint", "state_digest"]
 
 CHECKPOINT = "checkpoint.pt"
 """Name of the checkpoint inside a run's folder."""
@@ -30,6 +38,45 @@ REQUIRED_KEYS = {"init": ("model", "model_config"),
                  "resume": ("model", "reference", "optimizer", "step", "nonfinite_run", "rng",
                             "model_config", "config")}
 """Entries a checkpoint needs for ``--init`` (the weights) and for ``--resume`` (everything)."""
+DIGEST_KEY = "sha256"
+"""The entry holding :func:`state_digest` of the other entries."""
+
+
+def state_digest(state) -> str:
+    """SHA-256 of a checkpoint's contents, the same for equal contents whatever the dict order.
+
+    Parameters
+    ----------
+    state : dict
+        What the trainer saves: nested dicts, lists and tuples of tensors, numbers, strings,
+        booleans and None.
+
+    Returns
+    -------
+    str
+        The hex digest.
+    """
+    h = hashlib.sha256()
+
+    def feed(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous().reshape(-1)
+            h.update(f"T{t.dtype}{tuple(obj.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            h.update(b"D%d" % len(obj))
+            for key in sorted(obj, key=repr):
+                feed(key)
+                feed(obj[key])
+        elif isinstance(obj, (list, tuple)):
+            h.update(b"L%d" % len(obj) if isinstance(obj, list) else b"U%d" % len(obj))
+            for item in obj:
+                feed(item)
+        else:                           # numbers, strings, booleans, None: their exact repr
+            h.update(f"{type(obj).__name__}:{obj!r};".encode())
+
+    feed(state)
+    return h.hexdigest()
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -63,6 +110,7 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    state = {**state, DIGEST_KEY: state_digest(state)}
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -123,7 +171,48 @@ def load_checkpoint(path: str | Path, *, option: str, device: torch.device | str
     missing = [k for k in REQUIRED_KEYS[option] if k not in state]
     if missing:
         raise ValueError(f"{where}: not a trainer checkpoint (no {', '.join(missing)})")
+    if DIGEST_KEY in state:
+        saved = state.pop(DIGEST_KEY)
+        if saved != state_digest(state):
+            raise ValueError(f"{where}: its contents do not match the checksum written with it "
+                             "(the file changed after it was written: a damaged copy or disk)")
+    for key in ("step", "nonfinite_run"):
+        value = state.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}: field {key!r} is {value!r}, expected an int >= 0")
     return state
+
+
+def load_state(target, saved, *, option: str, path: str | Path, field: str) -> None:
+    """``target.load_state_dict(saved)``, or ``ValueError`` naming the file and the entry.
+
+    Parameters
+    ----------
+    target : torch.nn.Module or torch.optim.Optimizer
+        What the entry is loaded into.
+    saved : dict
+        The checkpoint's entry (a ``state_dict``).
+    option : str
+        ``init`` or ``resume``, named by the error.
+    path : str or Path
+        The checkpoint, named by the error.
+    field : str
+        The entry's name in the checkpoint (``model``, ``optimizer``, ...).
+
+    Raises
+    ------
+    ValueError
+        ``<option>: <path>: field '<field>' does not fit ...`` with the first line of PyTorch's
+        reason (a tensor of another shape, a missing or unexpected key, another layout).
+    """
+    try:
+        target.load_state_dict(saved)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+        reason = str(err).strip().splitlines()
+        reason = next((line.strip() for line in reason if "size mismatch" in line),
+                      reason[0] if reason else type(err).__name__)
+        raise ValueError(f"{option}: {path}: field {field!r} does not fit the "
+                         f"{type(target).__name__}: {reason}") from None
 
 
 def check_model_config(state: dict, expected: dict, *, option: str, path: str | Path) -> None:

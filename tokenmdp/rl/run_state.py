@@ -39,7 +39,12 @@ from tokenmdp.distributed import (
 from tokenmdp.estimators.corrections.diagnostics import batch_weight_sums, diagnostics_from_sums
 from tokenmdp.model import MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing
-from tokenmdp.rl.checkpoint import check_model_config, load_checkpoint, save_checkpoint
+from tokenmdp.rl.checkpoint import (
+    check_model_config,
+    load_checkpoint,
+    load_state,
+    save_checkpoint,
+)
 from tokenmdp.rl.config import DTYPES, TrainConfig
 from tokenmdp.rl.mismatch import (
     ENGINE_ROUTING,
@@ -61,7 +66,7 @@ from tokenmdp.rl.update import (
     split_minibatches,
 )
 
-__all__ = ["NonFiniteError"]
+__all__ = ["INTERRUPTED_NOW", "INTERRUPTED_STATUS", "NonFiniteError", "RunInterrupted"]
 
 # the trainer's logger: the run's warnings keep the name they are filtered by
 log = logging.getLogger("tokenmdp.rl.trainer")
@@ -73,6 +78,17 @@ _RESUMABLE = ("steps", "resume", "overwrite", "eval_every", "checkpoint_every", 
 class NonFiniteError(RuntimeError):
     """Raised after ``max_nonfinite`` updates in a row had a non-finite loss or gradient, or when
     the weights or the sampling distributions became non-finite (a diverging run)."""
+
+
+class RunInterrupted(RuntimeError):
+    """Raised when a run stopped at a step boundary on Ctrl-C (SIGINT), after writing its
+    checkpoint and closing its logs: ``--resume`` continues it."""
+
+
+INTERRUPTED_STATUS = 130
+"""The exit status of a run stopped by Ctrl-C: 128 + SIGINT, as a shell reports it."""
+INTERRUPTED_NOW = "interrupted mid-step: the last checkpoint written, if any, is kept"
+"""What a second Ctrl-C says (the run stopped mid-step: no checkpoint is written for it)."""
 
 
 class _Run:
@@ -92,7 +108,7 @@ class _Run:
         self.model = build_model(cfg, self.tok.vocab_size, self.device)
         if cfg.init is not None:
             state = load_init(cfg, self.device) if init_state is None else init_state
-            self.model.load_state_dict(state["model"])
+            load_state(self.model, state["model"], option="init", path=cfg.init, field="model")
         self.reference = MoETransformer(self.model.config, generator=torch.Generator(),
                                         device=self.device, dtype=self.dtype)
         self.reference.load_state_dict(self.model.state_dict())
@@ -143,14 +159,24 @@ class _Run:
                          if k not in _RESUMABLE and state["config"].get(k, defaults[k]) != v)
         if changed and self.rank == 0:
             log.warning("resuming %s with changed settings: %s", path, ", ".join(changed))
-        self.model.load_state_dict(state["model"])
-        self.reference.load_state_dict(state["reference"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        for field, target in (("model", self.model), ("reference", self.reference),
+                              ("optimizer", self.optimizer)):
+            load_state(target, state[field], option="resume", path=path, field=field)
         self.step, self.nonfinite_run = state["step"], state["nonfinite_run"]
-        rng = state["rng"][self.rank]
-        self.rng.bit_generator.state = rng["numpy_rng"]
-        self.sample_gen.set_state(rng["sample_gen"])
-        self.shuffle_gen.set_state(rng["shuffle_gen"].cpu())
+        self._load_rng(state["rng"][self.rank], path)
+
+    def _load_rng(self, rng, path: Path) -> None:
+        """This rank's generator states, each refused by name if it is not one."""
+        setters = {"numpy_rng": lambda v: setattr(self.rng.bit_generator, "state", v),
+                   "sample_gen": self.sample_gen.set_state,
+                   "shuffle_gen": lambda v: self.shuffle_gen.set_state(v.cpu())}
+        for name, set_state in setters.items():
+            try:
+                set_state(rng[name])
+            except (TypeError, ValueError, KeyError, RuntimeError, AttributeError) as err:
+                raise ValueError(f"resume: {path}: field 'rng[{self.rank}].{name}' is not a "
+                                 f"generator state ({str(err).strip() or type(err).__name__})"
+                                 ) from None
 
     # ------------------------------------------------------------------ data of one step
     def _share(self, examples: list) -> list:

@@ -67,7 +67,9 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,7 +86,13 @@ from tokenmdp.rl.run_setup import (
     SFT_ESTIMATOR,
     load_init,
 )
-from tokenmdp.rl.run_state import NonFiniteError, _Run
+from tokenmdp.rl.run_state import (
+    INTERRUPTED_NOW,
+    INTERRUPTED_STATUS,
+    NonFiniteError,
+    RunInterrupted,
+    _Run,
+)
 
 __all__ = ["SFT_ESTIMATOR", "TIMING_FIELDS", "main", "run_and_report", "train"]
 
@@ -156,6 +164,38 @@ def _released(run: _Run):
         gc.collect()
 
 
+class _Interrupt:
+    """Ctrl-C (SIGINT) once: the run stops at the next step boundary with its checkpoint
+    written; twice: now (``KeyboardInterrupt``). Only the main thread can take signals; elsewhere
+    SIGINT keeps its default."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> _Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True       # the run says so in one line when it has stopped
+
+    def agreed(self, device) -> bool:
+        """Whether any rank was interrupted (one small all-reduce under ``torchrun``, so every
+        rank stops at the same step and the checkpoint's collective is not left waiting)."""
+        if not dist.is_initialized():
+            return self.requested
+        (count,) = all_reduce_floats([float(self.requested)], device=device)
+        return count > 0
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def train(cfg: TrainConfig) -> list[dict]:
     """Run ``cfg`` (RL or SFT, see the module docstring) and return this call's metrics rows.
 
@@ -196,16 +236,23 @@ def train(cfg: TrainConfig) -> list[dict]:
     lock = RunLock(out, overwrite=cfg.overwrite) if lead_process else contextlib.nullcontext()
     rows = []
     with lock, _process_group(cfg) as device, _deterministic(cfg.deterministic), \
-            _released(_Run(cfg, device, init_state=init_state)) as run:
+            _released(_Run(cfg, device, init_state=init_state)) as run, _Interrupt() as interrupt:
         lead = run.rank == 0
         if cfg.resume:
             run.load(ckpt)
+            if run.step > cfg.steps:          # == cfg.steps: a finished run, nothing to do
+                raise ValueError(f"--steps: {ckpt} is at step {run.step}, past --steps "
+                                 f"{cfg.steps}: nothing to run (pass --steps > {run.step})")
             if lead:
                 log.info("resumed from %s at step %d", ckpt, run.step)
         # rank 0 writes metrics.jsonl (dropping lines after the checkpoint), TensorBoard, progress
         with RunLogger(out, total_steps=cfg.steps, start_step=run.step if cfg.resume else 0,
                        enabled=lead) as logger:
             while run.step < cfg.steps:
+                if interrupt.agreed(run.device):        # Ctrl-C: stop at this step boundary
+                    run.save(ckpt)
+                    raise RunInterrupted(f"interrupted at step {run.step} of {cfg.steps}: wrote "
+                                         f"{ckpt}; continue with --resume")
                 t0 = time.perf_counter()
                 lr = cfg.lr * (min(1.0, (run.step + 1) / cfg.warmup_steps) if cfg.warmup_steps
                                else 1.0)
@@ -247,10 +294,15 @@ def run_and_report(cfg: TrainConfig) -> int:
         0, the exit status (errors propagate as exceptions: :func:`main` turns them into one line).
     """
     rows = train(cfg)
-    if rows and int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now
+    if int(os.environ.get("RANK", "0")) != 0:  # the process group is gone by now
+        return 0
+    if rows:
         last = rows[-1]
         shown = {k: last[k] for k in ("step", "reward", "loss", "eval_accuracy") if k in last}
         print(f"{cfg.mode}: {len(rows)} steps, last {shown}; wrote {cfg.out_dir}")
+    else:                                      # resumed at its last step: a finished run
+        print(f"{cfg.mode}: nothing to run: {cfg.out_dir} is at step {cfg.steps} of "
+              f"{cfg.steps} already (raise --steps to continue it)")
     return 0
 
 
@@ -269,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     int
         The exit status: 0 on success, 2 on a bad configuration (one line on stderr; argparse
         itself exits with 2 on a malformed option), 1 when the run stopped on non-finite values
-        (:class:`NonFiniteError`).
+        (:class:`NonFiniteError`), :data:`~tokenmdp.rl.run_state.INTERRUPTED_STATUS` on Ctrl-C.
     """
     import argparse
 
@@ -284,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, NonFiniteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1 if isinstance(err, NonFiniteError) else 2
+    except RunInterrupted as err:
+        print(f"stopped: {err}", file=sys.stderr)
+        return INTERRUPTED_STATUS
+    except KeyboardInterrupt:
+        print(f"stopped: {INTERRUPTED_NOW}", file=sys.stderr)
+        return INTERRUPTED_STATUS
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -155,5 +155,11 @@ def test_auto_chooses_by_time_and_memory(monkeypatch):
     assert _choice(mdp, pi, kw, 6, few) == "monte_carlo"
     assert _choice(mdp, pi, kw, 6, many) == best
     assert _choice(mdp, pi, kw, 6, many, max_exact_draws=cost - 1) == "monte_carlo"
-    monkeypatch.setenv("TOKENMDP_MEMORY_BUDGET", "1K")  # exact does not fit: Monte Carlo
+    # exact does not fit, Monte Carlo's `many` sampled batches do (the same bytes per batch,
+    # an eighth of the batches): Monte Carlo; below both, a refusal that names the sizes
+    per_batch = MOD.BYTES_PER_DRAWN_RESPONSE * 6 + 16
+    monkeypatch.setenv("TOKENMDP_MEMORY_BUDGET", str(cost * per_batch // 2))
     assert _choice(mdp, pi, kw, 6, many) == "monte_carlo"
+    monkeypatch.setenv("TOKENMDP_MEMORY_BUDGET", "1K")
+    with pytest.raises(ValueError, match=f"method=monte_carlo, num_samples={many}, group_size=6"):
+        _choice(mdp, pi, kw, 6, many)

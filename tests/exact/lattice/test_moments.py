@@ -142,8 +142,9 @@ def test_method_lattice_refuses_what_is_not_exact():
 
 def test_exact_support_reasons():
     assert L.exact_support(estimators.get("minirl"), 8) == (True, "")
-    ok, why = L.exact_support(estimators.get("dapo"), 1)
-    assert ok
+    ok, why = L.exact_support(estimators.get("dapo"), 1)   # a group std at G = 1 (issue 32)
+    assert not ok and why.startswith("undefined at G = 1")
+    assert L.exact_support(estimators.get("dr_grpo"), 1) == (True, "")   # group mean: defined
     for name, words in [("gspo", "not token-local"), ("dapo", "token-mean"),
                         ("sequence_is", "not token-local")]:
         ok, why = L.exact_support(estimators.get(name), 4)

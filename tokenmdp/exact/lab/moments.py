@@ -381,8 +381,9 @@ def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_
     that an exact one fits the memory budget (refused from its closed-form count). ``ordered``:
     the enumeration takes every ordered draw; ``typed``: the gradient is an Estimator's (whose
     types the exchangeability method reads)."""
+    width = group_size * prompts_per_batch
     if method == "monte_carlo":
-        return method
+        return _check_sampled(num_samples, width, group_size, prompts_per_batch, memory_budget)
     if method == "exchangeability" and not (typed and not ordered):
         raise ValueError("method: exchangeability needs an Estimator and order_invariant=True "
                          "(it reduces the other samples to an estimator's types)")
@@ -405,7 +406,6 @@ def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_
         best = method
     else:
         best = min(costs, key=costs.get)
-    width = group_size * prompts_per_batch
     need = costs[best] * (BYTES_PER_DRAWN_RESPONSE * width + 16)
     if method == "auto":
         # exact is never less precise: Monte Carlo only when exact would take longer (batches
@@ -413,8 +413,19 @@ def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_
         slower = costs[best] > max(mc_cost * num_samples, ALWAYS_EXACT_DRAWS)
         capped = max_exact_draws is not None and costs[best] > max_exact_draws
         if slower or capped or need > budget.memory_budget(memory_budget):
-            return "monte_carlo"
+            return _check_sampled(num_samples, width, group_size, prompts_per_batch,
+                                  memory_budget)
     budget.check_budget(f"method={best}, group_size={group_size}, prompts_per_batch="
                         f"{prompts_per_batch}, {mdp.responses_per_prompt} responses per prompt",
                         costs[best], "batches", need, memory_budget=memory_budget)
     return best
+
+
+def _check_sampled(num_samples, width, group_size, prompts_per_batch, memory_budget) -> str:
+    """``"monte_carlo"``, once its sampled batches (their ids and the per-block work, as an
+    exact draw's) are known to fit the memory budget."""
+    budget.check_budget(f"method=monte_carlo, num_samples={num_samples}, group_size={group_size}, "
+                        f"prompts_per_batch={prompts_per_batch}", num_samples, "sampled batches",
+                        num_samples * (BYTES_PER_DRAWN_RESPONSE * width + 16),
+                        memory_budget=memory_budget)
+    return "monte_carlo"

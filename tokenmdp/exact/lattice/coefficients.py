@@ -78,10 +78,17 @@ def exact_support(estimator: Estimator, group_size: int) -> tuple[bool, str]:
     exact : bool
         True when :func:`~tokenmdp.exact.lattice.moments` can be exact.
     reason : str
-        Empty when exact, else what prevents it.
+        Empty when exact, else what prevents it (``"undefined at G = 1: ..."`` when the
+        estimator's advantage has no value for a group of that size, as leave-one-out and a
+        group's standard deviation at ``G = 1``).
     """
     if not isinstance(estimator, Estimator):
         raise TypeError(f"estimator: expected an Estimator, got {type(estimator).__name__}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
+    undefined = _undefined_at(estimator, group_size)
+    if undefined:
+        return False, undefined
     if not _local_surrogate(estimator.surrogate):
         return False, (f"surrogate {estimator.surrogate.describe()} is not token-local (a "
                        "sequence-level ratio, mask or clip couples the tokens of a response)")
@@ -104,6 +111,21 @@ def exact_support(estimator: Estimator, group_size: int) -> tuple[bool, str]:
         return False, (f"aggregation {estimator.aggregation.value} with G = {group_size}: the "
                        "weight depends on the other responses' lengths")
     return True, ""
+
+
+def _undefined_at(estimator: Estimator, group_size: int) -> str:
+    """Why the estimator's advantage is undefined for one group of ``group_size`` (its own
+    ``ValueError``, e.g. leave-one-out or a group std at ``G = 1``), or ``""``; asked of the part
+    itself on a probe group of equal rewards."""
+    part = estimator.advantage
+    if getattr(part, "token_level", False):
+        return ""
+    reward_S = torch.zeros(group_size, dtype=torch.float64)
+    try:
+        part(reward_S, torch.zeros(group_size, dtype=torch.long))
+    except ValueError as err:
+        return f"undefined at G = {group_size}: advantage {part.describe()}: {err}"
+    return ""
 
 
 def _probe_group(lengths: list[int], fields: tuple[str, ...]) -> TokenBatch:

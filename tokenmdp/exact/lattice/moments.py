@@ -44,6 +44,8 @@ from tokenmdp.exact.lattice.ground_truth import _forward, gradient, transition_m
 from tokenmdp.exact.lattice.mdp import LatticeMDP
 from tokenmdp.exact.lattice.monte_carlo import monte_carlo_moments
 from tokenmdp.exact.lattice.policy import LatticePolicy, check_lattice_policy
+from tokenmdp.exact.world.budget import check_budget
+from tokenmdp.exact.world.mdp import BYTES_PER_TOKEN
 
 __all__ = ["moments", "MAX_CONFIGURATIONS", "MAX_COVARIANCE_DIM"]
 
@@ -58,7 +60,8 @@ def moments(mdp: LatticeMDP, policy: LatticePolicy, estimator: Estimator, *, gro
             behavior: LatticePolicy | None = None, old: LatticePolicy | None = None,
             reference: LatticePolicy | None = None, method: str = "auto",
             num_samples: int | None = None, generator: torch.Generator | None = None,
-            max_configurations: int | None = None) -> Moments:
+            max_configurations: int | None = None,
+            memory_budget: int | str | None = None) -> Moments:
     """Mean and variance of ``estimator``'s gradient on the lattice, against the true ``∇J``.
 
     Parameters
@@ -88,6 +91,10 @@ def moments(mdp: LatticeMDP, policy: LatticePolicy, estimator: Estimator, *, gro
     max_configurations : int, optional
         ``"auto"`` is exact up to this many class-count configurations
         (default :data:`MAX_CONFIGURATIONS`).
+    memory_budget : int or str, optional
+        The Monte Carlo path's budget for one sampled group of ``G`` responses of up to ``T``
+        tokens (default ``$TOKENMDP_MEMORY_BUDGET`` or 2 GiB; see
+        :func:`tokenmdp.exact.world.budget.memory_budget`).
 
     Returns
     -------
@@ -114,12 +121,14 @@ def moments(mdp: LatticeMDP, policy: LatticePolicy, estimator: Estimator, *, gro
     if reference is not None:
         check_lattice_policy(mdp, reference, name="reference")
     limit = MAX_CONFIGURATIONS if max_configurations is None else max_configurations
-    exact, reason = exact_support(estimator, group_size)
     m = mdp.reward_classes[0].numel()
+    # the count comes first: exact_support probes the estimator on a group of G responses
     configs = math.comb(group_size + m - 1, group_size)
-    if exact and configs > limit:
+    if configs > limit:
         exact, reason = False, (f"{configs} class-count configurations (G = {group_size}, "
                                 f"{m} reward values) exceed max_configurations={limit}")
+    else:
+        exact, reason = exact_support(estimator, group_size)
     if method == "lattice" and not exact:
         raise ValueError(f"method: not exact on the lattice for {estimator.name!r}: {reason}")
     logp = {"policy": policy.logprobs().detach(), "behavior_logprob": behavior.logprobs().detach(),
@@ -127,6 +136,10 @@ def moments(mdp: LatticeMDP, policy: LatticePolicy, estimator: Estimator, *, gro
     if reference is not None:
         logp["ref_logprob"] = reference.logprobs().detach()
     if method == "monte_carlo" or not exact:
+        T = mdp.max_len
+        check_budget(f"method=monte_carlo, group_size={group_size}, max_len={T}",
+                     group_size * (T + 1), "tokens in one sampled group",
+                     group_size * (T + 1) * BYTES_PER_TOKEN, memory_budget=memory_budget)
         return monte_carlo_moments(mdp, logp, estimator, group_size, gradient(mdp, policy),
                                    num_samples=num_samples, generator=generator)
     return _lattice_moments(mdp, logp, estimator, group_size, gradient(mdp, policy))

@@ -16,9 +16,11 @@ The budget is :data:`DEFAULT_MEMORY_BUDGET` (2 GiB), overridden by the environme
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "BUDGET_ENV", "check_budget", "format_bytes", "memory_budget"]
+__all__ = ["DEFAULT_MEMORY_BUDGET", "BUDGET_ENV", "check_budget", "format_bytes", "magnitude",
+           "memory_budget"]
 
 DEFAULT_MEMORY_BUDGET = 2 * 1024 ** 3
 """Bytes an exact enumeration may need before it is refused (2 GiB)."""
@@ -36,8 +38,8 @@ def _parse(text: str, name: str) -> int:
         value = float(number)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a positive number of bytes (e.g. 8G), got {text!r}")
+    if not math.isfinite(value) or value * scale < 1:
+        raise ValueError(f"{name}: expected a number of bytes >= 1 (e.g. 8G), got {text!r}")
     return int(value * scale)
 
 
@@ -48,8 +50,8 @@ def memory_budget(override: int | float | str | None = None) -> int:
     Parameters
     ----------
     override : int, float or str, optional
-        A budget for one call: bytes, or a string such as ``"512M"`` or ``"16G"`` (powers of
-        1024).
+        A budget for one call: bytes (any real number >= 1, NumPy scalars included; a fraction
+        is rounded down), or a string such as ``"512M"`` or ``"16G"`` (powers of 1024).
 
     Returns
     -------
@@ -59,14 +61,14 @@ def memory_budget(override: int | float | str | None = None) -> int:
     Raises
     ------
     ValueError
-        ``memory_budget`` / ``TOKENMDP_MEMORY_BUDGET``: not a positive finite number of bytes.
+        ``memory_budget`` / ``TOKENMDP_MEMORY_BUDGET``: not a finite number of bytes >= 1.
     """
     if override is not None:
         if isinstance(override, str):
             return _parse(override, "memory_budget")
-        if isinstance(override, bool) or not isinstance(override, (int, float)) \
-                or not math.isfinite(override) or override <= 0:
-            raise ValueError(f"memory_budget: expected a positive number of bytes, got "
+        if isinstance(override, bool) or not isinstance(override, numbers.Real) \
+                or not math.isfinite(override) or override < 1:
+            raise ValueError(f"memory_budget: expected a number of bytes >= 1, got "
                              f"{override!r}")
         return int(override)
     env = os.environ.get(BUDGET_ENV)
@@ -90,8 +92,29 @@ def format_bytes(n: int | float) -> str:
     for unit, size in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2),
                        ("KiB", 1024)):
         if n >= size:
-            return f"{n / size:.3g} {unit}" if n < 1024 ** 5 else f"{float(n):.3g} bytes"
+            return f"{n / size:.3g} {unit}" if n < 1024 ** 5 else f"{magnitude(n)} bytes"
     return f"{int(n)} bytes"
+
+
+def magnitude(n: int | float) -> str:
+    """``n`` in three significant digits (``"3.2e+25"``), or ``"about 10^N"`` beyond float64.
+
+    Parameters
+    ----------
+    n : int or float
+        A count or a number of bytes, ``>= 1``.
+
+    Returns
+    -------
+    str
+        ``n`` with thousands separators below ``10^15``, else in exponent notation.
+    """
+    if n < 10 ** 15:
+        return f"{int(n):,}"
+    try:
+        return f"{float(n):.3g}"
+    except OverflowError:                       # an int past 1.8e308: its order of magnitude
+        return f"about 10^{math.log10(n):.0f}"
 
 
 _resolve = memory_budget
@@ -121,7 +144,7 @@ def check_budget(what: str, count: int, unit: str, bytes_needed: int, *,
     """
     budget = _resolve(memory_budget)
     if bytes_needed > budget:
-        shown = f"{count:,}" if count < 10 ** 15 else f"{float(count):.3g}"
+        shown = magnitude(count)
         raise ValueError(f"{what}: {shown} {unit} would need about {format_bytes(bytes_needed)}, "
                          f"over the exact world's memory budget of {format_bytes(budget)} "
                          f"(raise it with {BUDGET_ENV}=... or memory_budget=)")
