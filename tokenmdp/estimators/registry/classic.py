@@ -95,7 +95,8 @@ def ppo() -> Estimator:
                            "Â = (R - mean_g)/std_g",
            paper="Shao et al. (DeepSeekMath), arXiv 2402.03300, Eq. 3",
            aliases="verl adv_estimator=grpo, loss_agg_mode=seq-mean-token-mean, use_kl_loss, "
-                   "kl_loss_type=low_var_kl, plus the dual clip at clip_ratio_c = 3 its vanilla "
+                   "kl_loss_type=low_var_kl (verl's kl_loss_coef defaults to 0.001; set 0.04, "
+                   "the paper's β used here), plus the dual clip at clip_ratio_c = 3 its vanilla "
                    "loss always applies (differs on Â < 0 tokens with r > 3: grpo_verl); TRL "
                    "loss_type='grpo', beta, epsilon (TRL's default vllm_importance_sampling "
                    "correction is sequence_mask at 3: grpo_trl_mis)")
@@ -137,7 +138,10 @@ def dapo() -> Estimator:
 
 @_register("gspo", formula="-1/S Σ_i min(s_i Â_i, clip(s_i) Â_i), s_i = exp(mean_t log r_it)",
            paper="Zheng et al. (GSPO), arXiv 2507.18071",
-           aliases="verl policy_loss.loss_mode=gspo; TRL importance_sampling_level='sequence'")
+           aliases="TRL importance_sampling_level='sequence' (with loss_type='grpo'; TRL's "
+                   "sequence-level default is loss_type='dapo' with ε 0.2); verl "
+                   "policy_loss.loss_mode=gspo is gspo_token: the same value, each token its "
+                   "own gradient")
 def gspo() -> Estimator:
     """GSPO: geometric-mean sequence ratio clipped at ε_low 3e-4, ε_high 4e-4 (paper), group
     mean/std advantage, sequence-mean of token means, no KL."""
@@ -149,7 +153,9 @@ def gspo() -> Estimator:
 @_register("gspo_token", formula="-1/S Σ_i 1/|y_i| Σ_t min(s_it Â_it, clip(s_it) Â_it), "
                                  "s_it = sg[s_i] π_θ/sg[π_θ]",
            paper="Zheng et al. (GSPO), arXiv 2507.18071, GSPO-token",
-           aliases="TRL experimental GSPO-token")
+           aliases="verl policy_loss.loss_mode=gspo (loss_agg_mode='seq-mean-token-mean'; its "
+                   "clip_ratio defaults to 0.2 / 0.2: set clip_ratio_low 3e-4, clip_ratio_high "
+                   "4e-4 for the paper's band); TRL experimental GSPO-token")
 def gspo_token() -> Estimator:
     """GSPO-token: GSPO's value; token gradients allow per-token advantages (ε as GSPO)."""
     return Estimator(name="gspo_token", surrogate=GSPOToken(eps_low=3e-4, eps_high=4e-4),
@@ -159,7 +165,9 @@ def gspo_token() -> Estimator:
 
 @_register("cispo", formula="-1/N Σ_i Σ_t sg(clip(r, 1-ε_low, 1+ε_high)) Â log π",
            paper="MiniMax (MiniMax-M1), arXiv 2506.13585",
-           aliases="verl policy_loss.loss_mode=cispo; Tinker loss_fn='cispo' clips to "
+           aliases="verl policy_loss.loss_mode=cispo (its clip_ratio_low defaults to 0.2, which "
+                   "floors the weight at 0.8; the paper has no lower bound: clip_ratio_low=1); "
+                   "Tinker loss_fn='cispo' clips to "
                    "[0, 4] (clip_low_threshold 0, clip_high_threshold 4), not [0, 1.2], and sums "
                    "over tokens: cispo_tinker")
 def cispo() -> Estimator:
@@ -197,14 +205,34 @@ _MIS_TERM = ("each token's surrogate term × sg(π_old/μ) · 1[0.5 ≤ π_old/�
              "the normalizer)")
 
 
+# which peer the GSPO variants equal (tests/estimators/registry/test_gspo_peers.py checks it
+# against transcriptions of both): TRL's sequence level weights every token by its sequence's
+# mean weight, verl's loss_mode=gspo (GSPO-token) each token by its own
+_GSPO_ALIASES = {
+    ("gspo", "tis"): "TRL importance_sampling_level='sequence' with "
+                     "vllm_importance_sampling_mode='token_truncate', clip_max=2 (each token's "
+                     "term gets its sequence's mean weight); verl loss_mode=gspo with "
+                     "rollout_is=token is gspo_token_tis",
+    ("gspo", "mis"): "no peer's option: TRL importance_sampling_level='sequence' has no band "
+                     "(its vllm_importance_sampling_mode='token_mask' masks above the cap "
+                     "only); verl loss_mode=gspo with rollout_is=token and the IcePop band is "
+                     "gspo_token_mis",
+    ("gspo_token", "tis"): "verl policy_loss.loss_mode=gspo with "
+                           "algorithm.rollout_correction.rollout_is=token, rollout_is_threshold=2",
+    ("gspo_token", "mis"): "verl policy_loss.loss_mode=gspo with "
+                           "algorithm.rollout_correction.rollout_is=token, rollout_is_threshold="
+                           "'0.5_5.0' (its decoupled_token_icepop preset); IcePop",
+}
 for _base in ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo"):
-    _variant(_base, "tis", "token-level truncated IS, C = 2 (Yao et al. 2025)", _TIS_ALIASES,
-             formula=f"; {_TIS_TERM}", correction=_TIS)
+    _variant(_base, "tis", "token-level truncated IS, C = 2 (Yao et al. 2025)",
+             _GSPO_ALIASES.get((_base, "tis"), _TIS_ALIASES), formula=f"; {_TIS_TERM}",
+             correction=_TIS)
     _variant(_base, "mis", "token-level masked IS, band [0.5, 5], rejects kept in the normalizer "
-             "(IcePop, arXiv 2510.18855)", _MIS_ALIASES, formula=f"; {_MIS_TERM}",
-             correction=_MIS)
+             "(IcePop, arXiv 2510.18855)", _GSPO_ALIASES.get((_base, "mis"), _MIS_ALIASES),
+             formula=f"; {_MIS_TERM}", correction=_MIS)
 _variant("gspo", "geo_mis", "geometric-mean masked IS, band [0.5, 5], rejects kept in the "
-         "normalizer", _MIS_ALIASES,
+         "normalizer", "no peer's option: verl's rollout_is has token and sequence levels only "
+         "(no geometric level), TRL's and ms-swift's corrections are per token or per sequence",
          formula="; each sequence's surrogate terms × sg(w_i) · 1[0.5 ≤ w_i ≤ 5], w_i = "
                  "exp(mean_t log π_old/μ) (rejects stay in the normalizer)",
          correction=MaskedIS(low=0.5, high=5.0, level=Level.GEOMETRIC, masked_in_normalizer=True))
