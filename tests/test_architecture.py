@@ -45,9 +45,6 @@ LONG_MODULES: dict[str, str] = {
         "bodies are in _enumeration)",
     "tokenmdp/exact/lab/step_gradients.py":
         "StepGradients is one class, the engine of the exact lab, read top to bottom",
-    "tokenmdp/exact/lab/moments.py":
-        "the exact lab's one entry point: moments(), its method choice and MomentsWorkspace, "
-        "with the constants a user tunes where `auto` reads them",
     "tokenmdp/exact/lattice/ground_truth.py":
         "the ground truth of one MDP by one forward and one backward recursion; what repeats "
         "is the numpydoc parameter blocks of its fourteen functions",

@@ -25,7 +25,8 @@ MAX_Z = 4.5
 #: a biased sampler must stand out by at least this many standard errors somewhere.
 BIASED_Z = 8.0
 
-MOD = __import__("tokenmdp.exact.lab.moments", fromlist=["_choose"])
+MOD = __import__("tokenmdp.exact.lab.moments", fromlist=["moments"])
+CHOICE = __import__("tokenmdp.exact.lab.method_choice", fromlist=["choose"])
 
 
 def world(V=4, L=2, seed=0):
@@ -131,8 +132,8 @@ def _choice(mdp, pi, kw, group_size, num_samples, max_exact_draws=None):
     steps = StepGradients(mdp, pi, E.get("grpo"), fields(mdp, kw), group_size)
     with torch.no_grad():
         probs = sequence_probs(mdp, kw["behavior"])
-    return MOD._choose("auto", steps, mdp, probs, group_size, 1, False, max_exact_draws,
-                       num_samples=num_samples, mc_cost=MOD.MC_COST_PER_BATCH)
+    return CHOICE.choose("auto", steps, mdp, probs, group_size, 1, False, max_exact_draws,
+                       num_samples=num_samples, mc_cost=CHOICE.MC_COST_PER_BATCH)
 
 
 def test_auto_chooses_by_time_and_memory(monkeypatch):
@@ -144,20 +145,21 @@ def test_auto_chooses_by_time_and_memory(monkeypatch):
     assert large.method == "monte_carlo" and large.mean_se is not None
     assert large.total_variance_se > 0 and large.num_draws == 200
     # above the always-exact size, the choice follows the estimated times
-    monkeypatch.setattr(MOD, "ALWAYS_EXACT_DRAWS", 10)
-    costs = {"enumeration": MOD.count_draws(mdp, 6), "exchangeability": MOD.exchangeability_cost(
-        mdp, MOD._type_keys(StepGradients(mdp, pi, E.get("grpo"), fields(mdp, kw), 6)),
+    monkeypatch.setattr(CHOICE, "ALWAYS_EXACT_DRAWS", 10)
+    costs = {"enumeration": CHOICE.count_draws(mdp, 6),
+             "exchangeability": CHOICE.exchangeability_cost(
+        mdp, CHOICE._type_keys(StepGradients(mdp, pi, E.get("grpo"), fields(mdp, kw), 6)),
         sequence_probs(mdp, kw["behavior"]).detach(), 6)}
     best = min(costs, key=costs.get)
     cost = costs[best]
-    few = int(cost / MOD.MC_COST_PER_BATCH) - 1          # Monte Carlo would be faster
-    many = int(cost / MOD.MC_COST_PER_BATCH) + 1         # Monte Carlo would be slower
+    few = int(cost / CHOICE.MC_COST_PER_BATCH) - 1          # Monte Carlo would be faster
+    many = int(cost / CHOICE.MC_COST_PER_BATCH) + 1         # Monte Carlo would be slower
     assert _choice(mdp, pi, kw, 6, few) == "monte_carlo"
     assert _choice(mdp, pi, kw, 6, many) == best
     assert _choice(mdp, pi, kw, 6, many, max_exact_draws=cost - 1) == "monte_carlo"
     # exact does not fit, Monte Carlo's `many` sampled batches do (the same bytes per batch,
     # an eighth of the batches): Monte Carlo; below both, a refusal that names the sizes
-    per_batch = MOD.BYTES_PER_DRAWN_RESPONSE * 6 + 16
+    per_batch = CHOICE.BYTES_PER_DRAWN_RESPONSE * 6 + 16
     monkeypatch.setenv("TOKENMDP_MEMORY_BUDGET", str(cost * per_batch // 2))
     assert _choice(mdp, pi, kw, 6, many) == "monte_carlo"
     monkeypatch.setenv("TOKENMDP_MEMORY_BUDGET", "1K")

@@ -3,6 +3,7 @@
 Floors, top to bottom::
 
     moments
+    method_choice
     _world_tables, exchangeability, loss_fn_gradients
     monte_carlo, step_gradients
     _stacked, _watch, group_draws, moments_result
@@ -15,6 +16,8 @@ Floors, top to bottom::
   once; :mod:`~tokenmdp.exact.lab.loss_fn_gradients` — the same for any loss callable;
 * :mod:`~tokenmdp.exact.lab.exchangeability` — exact moments from response types, and their
   cost; :mod:`~tokenmdp.exact.lab.monte_carlo` — streamed Monte Carlo, running sums;
+* :mod:`~tokenmdp.exact.lab.method_choice` — which method ``auto`` runs: exact when cheaper,
+  else the Monte Carlo run that reaches the asked precision (a pilot measures the spread);
 * :mod:`~tokenmdp.exact.lab.moments` — :func:`~tokenmdp.exact.moments` and
   :class:`~tokenmdp.exact.MomentsWorkspace` (its tables in ``_world_tables``, what it watches
   in ``_watch``): the method chosen, the budget checked.

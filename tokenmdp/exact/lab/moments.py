@@ -50,19 +50,24 @@ from torch import nn
 from tokenmdp.estimators import Estimator
 from tokenmdp.exact.lab._watch import _same, _settings
 from tokenmdp.exact.lab._world_tables import WorldTables
-from tokenmdp.exact.lab.exchangeability import (
-    _by_exchangeability,
-    _type_keys,
-    exchangeability_cost,
-    reduces_to_types,
-)
-from tokenmdp.exact.lab.group_draws import count_draws, exact_draws, sampled_draws
+from tokenmdp.exact.lab.exchangeability import _by_exchangeability
+from tokenmdp.exact.lab.group_draws import exact_draws, sampled_draws
 from tokenmdp.exact.lab.loss_fn_gradients import (
     LossFnGradients,
     _check_loss_fn,
     _resolve_prepare,
-    count_ordered_draws,
     ordered_draws,
+)
+from tokenmdp.exact.lab.method_choice import (
+    BYTES_PER_DRAWN_RESPONSE,
+    DEFAULT_NUM_SAMPLES,
+    MAX_EXACT_CALLS,
+    MC_COST_PER_BATCH,
+    METHODS,
+    PILOT_SAMPLES,
+    TARGET_RSE,
+    choose,
+    samples_for,
 )
 from tokenmdp.exact.lab.moments_result import Moments, _exact_moments
 from tokenmdp.exact.lab.monte_carlo import NUM_CHUNKS, MonteCarloSums
@@ -73,26 +78,14 @@ from tokenmdp.exact.world.policies import check_policy
 
 __all__ = ["MomentsWorkspace", "moments"]
 
-#: For a loss callable, which runs once per batch in Python: above this many batches to
-#: evaluate, ``method="auto"`` switches to Monte Carlo.
-MAX_EXACT_CALLS = 20_000
-#: Time of one streamed Monte Carlo batch of an Estimator relative to one exact batch
-#: (sampling, every parameter row of its gradient, the running sums; measured on one CPU thread
-#: with ``benchmarks/moments.py``: about 13,000 against 110,000 batches per second at G = 4).
-MC_COST_PER_BATCH = 8.0
-#: ``method="auto"`` takes an exact method of at most this many batches whatever the Monte Carlo
-#: run would cost (a few seconds at most, and no sampling error).
-ALWAYS_EXACT_DRAWS = 200_000
 #: Seed of the Monte Carlo generator when ``moments`` is given none.
 DEFAULT_MC_SEED = 0
-#: Estimated bytes per evaluated batch and response of an exact method (ids, probabilities,
-#: the multiset tuples they are built from, per-draw coefficients).
-BYTES_PER_DRAWN_RESPONSE = 32
+#: Seed of the pilot run of ``method="auto"`` (a stream of its own: the run keeps its draws).
+PILOT_SEED = 1
 #: The full covariance matrix is kept when the policy has at most this many parameters.
 MAX_COVARIANCE_DIM = 512
 #: Monte Carlo batches folded into the running sums at once.
 MC_BLOCK = 8192
-METHODS = ("auto", "exact", "enumeration", "exchangeability", "monte_carlo")
 
 
 def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *,
@@ -104,7 +97,8 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
             jacobian: torch.Tensor | None = None,
             memory_budget: int | str | None = None,
             prepare: Estimator | str | Callable | None = None,
-            order_invariant: bool | None = None) -> Moments:
+            order_invariant: bool | None = None,
+            target_rse: float | None = TARGET_RSE) -> Moments:
     """Mean, variance and bias of ``estimator``'s gradient against the true ``∇J``.
 
     Parameters
@@ -130,7 +124,8 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
     method : {"auto", "exact", "enumeration", "exchangeability", "monte_carlo"}
         See the module docstring.
     num_samples : int, optional
-        Monte Carlo batches (default 4096).
+        Monte Carlo batches. Default: 4096, or with ``method="auto"`` as many as reach
+        ``target_rse`` (:mod:`~tokenmdp.exact.lab.method_choice`).
     generator : torch.Generator, optional
         Source of the Monte Carlo draws; default a CPU generator seeded with
         ``DEFAULT_MC_SEED`` (0; so ``method="auto"`` that resolves to Monte Carlo runs, and
@@ -144,10 +139,10 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
     max_exact_draws : int, optional
         A cap for ``"auto"``: an exact method that evaluates more batches is not picked
         (default none for an Estimator, ``MAX_EXACT_CALLS`` for a loss callable). Below it,
-        ``"auto"`` picks the exact method unless its estimated time exceeds that of
-        ``num_samples`` Monte Carlo batches (``MC_COST_PER_BATCH`` exact batches each) or it
-        does not fit the memory budget, and always below ``ALWAYS_EXACT_DRAWS`` batches: it
-        never picks Monte Carlo where Monte Carlo would be both slower and less precise.
+        ``"auto"`` picks the exact method unless its estimated time exceeds that of the Monte
+        Carlo run (``num_samples``, or the batches that reach ``target_rse``; each
+        ``MC_COST_PER_BATCH`` exact batches) or it does not fit the memory budget, and always
+        below ``ALWAYS_EXACT_DRAWS`` batches.
     jacobian : Tensor, optional
         :func:`~tokenmdp.exact.lab.step_gradients.state_action_jacobian` of ``policy`` at its
         current parameters, when the caller compares many estimators at one ``θ``.
@@ -159,6 +154,11 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
         ``advantage``, ``loss_weight``, ...; not changing the layout), or that estimator's
         :func:`~tokenmdp.estimators.prepare` with ``max_len = mdp.max_len``. Default: none
         (``advantage`` and ``loss_weight`` are 1 on the response tokens).
+    target_rse : float or None, default ``TARGET_RSE`` (0.01)
+        The precision ``method="auto"`` reaches when ``num_samples`` is not given: the standard
+        error of the mean gradient relative to ``‖∇J‖`` (``Moments.relative_se``). A pilot of
+        ``PILOT_SAMPLES`` batches estimates how many Monte Carlo batches that takes; the exact
+        method runs when it costs less. None: the fixed 4096 batches.
     order_invariant : bool, optional
         Whether the gradient ignores the order of a group's responses, so that an exact method
         may enumerate multisets (each standing for its orderings) instead of every ordered draw.
@@ -185,7 +185,7 @@ def moments(mdp: TokenMDP, policy: nn.Module, estimator: Estimator | Callable, *
         estimator, group_size=group_size, prompts_per_batch=prompts_per_batch, method=method,
         num_samples=num_samples, generator=generator, filter_groups=filter_groups,
         max_exact_draws=max_exact_draws, memory_budget=memory_budget, prepare=prepare,
-        order_invariant=order_invariant)
+        order_invariant=order_invariant, target_rse=target_rse)
 
 
 class MomentsWorkspace:
@@ -272,7 +272,7 @@ class MomentsWorkspace:
             Any other keyword of :func:`moments` but the policies and ``jacobian``:
             ``prompts_per_batch``, ``method``, ``num_samples``, ``generator``,
             ``filter_groups``, ``max_exact_draws``, ``memory_budget``, ``prepare``,
-            ``order_invariant``.
+            ``order_invariant``, ``target_rse``.
 
         Returns
         -------
@@ -283,7 +283,8 @@ class MomentsWorkspace:
 
     def _moments(self, estimator, *, group_size, prompts_per_batch=1, method="auto",
                  num_samples=None, generator=None, filter_groups=False, max_exact_draws=None,
-                 memory_budget=None, prepare=None, order_invariant=None) -> Moments:
+                 memory_budget=None, prepare=None, order_invariant=None,
+                 target_rse=TARGET_RSE) -> Moments:
         mdp, policy, reference = self.mdp, self.policy, self.reference
         custom = not isinstance(estimator, Estimator)
         if custom:
@@ -315,11 +316,33 @@ class MomentsWorkspace:
                                     group_size, tables=tables.steps)
         else:
             steps = StepGradients(mdp, policy, estimator, fields, group_size, tables=tables.steps)
-        num_samples = 4096 if num_samples is None else num_samples
-        method = _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
-                         max_exact_draws, memory_budget, num_samples=num_samples,
-                         mc_cost=1.0 if custom else MC_COST_PER_BATCH, ordered=not order_invariant,
-                         typed=not custom)
+        if target_rse is not None and (isinstance(target_rse, bool) or not
+                                       isinstance(target_rse, (int, float)) or not target_rse > 0):
+            raise ValueError(f"target_rse: expected a number > 0 or None, got {target_rse!r}")
+        requested, precise = method, num_samples is None and target_rse is not None
+        num_samples = DEFAULT_NUM_SAMPLES if num_samples is None else num_samples
+
+        def resolve(num_samples):
+            return choose(requested, steps, mdp, mu_probs,
+                          group_size, prompts_per_batch, filter_groups, max_exact_draws,
+                          memory_budget, num_samples=num_samples,
+                          mc_cost=1.0 if custom else MC_COST_PER_BATCH,
+                          ordered=not order_invariant, typed=not custom)
+        method = resolve(num_samples)
+        if requested == "auto" and method == "monte_carlo" and precise:
+            # how many batches reach the precision? a pilot measures the spread; then exact
+            # is taken if it costs less than that run (and fits), else that run, as far as
+            # the memory budget allows (the result's relative_se says what it reached)
+            pilot = self._moments(estimator, group_size=group_size,
+                                  prompts_per_batch=prompts_per_batch, method="monte_carlo",
+                                  num_samples=PILOT_SAMPLES, filter_groups=filter_groups,
+                                  generator=torch.Generator().manual_seed(PILOT_SEED),
+                                  memory_budget=memory_budget, prepare=prepare,
+                                  order_invariant=order_invariant, target_rse=None)
+            per_batch = BYTES_PER_DRAWN_RESPONSE * group_size * prompts_per_batch + 16
+            fits = max(2, budget.memory_budget(memory_budget) // per_batch)
+            num_samples = min(samples_for(pilot.relative_se, target_rse), fits)
+            method = resolve(num_samples)
         d = steps.num_params
         keep_cov = d <= MAX_COVARIANCE_DIM
         true_grad = tables.true_grad.clone()
@@ -372,60 +395,3 @@ def _streamed_monte_carlo(steps, ids, true_grad, keep_cov, p_keep) -> Moments:
         n = int(ids[sl].shape[0])
         sums.add_rows(*steps.gradient_rows(draw, pair, coef, n), n, chunk[sl])
     return sums.moments()
-
-
-def _choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_groups,
-            max_exact_draws, memory_budget=None, *, num_samples=4096, mc_cost=1.0,
-            ordered=False, typed=True) -> str:
-    """Resolve ``auto`` / ``exact`` to a concrete method, check the requested one applies and
-    that an exact one fits the memory budget (refused from its closed-form count). ``ordered``:
-    the enumeration takes every ordered draw; ``typed``: the gradient is an Estimator's (whose
-    types the exchangeability method reads)."""
-    width = group_size * prompts_per_batch
-    if method == "monte_carlo":
-        return _check_sampled(num_samples, width, group_size, prompts_per_batch, memory_budget)
-    if method == "exchangeability" and not (typed and not ordered):
-        raise ValueError("method: exchangeability needs an Estimator and order_invariant=True "
-                         "(it reduces the other samples to an estimator's types)")
-    by_types = typed and reduces_to_types(steps.estimator)
-    if method == "exchangeability" and not by_types:
-        raise ValueError(f"method: exchangeability is not exact for {steps.estimator.name!r}: a "
-                         "part couples the sequences of a group beyond their types "
-                         "(couples_sequences); use method='enumeration'")
-    exchangeable_ok = (prompts_per_batch == 1 and not filter_groups and group_size >= 2
-                       and not ordered and by_types)
-    if method == "exchangeability" and not exchangeable_ok:
-        raise ValueError("method: exchangeability needs prompts_per_batch=1, group_size >= 2 "
-                         "and no filter_groups")
-    count = count_ordered_draws if ordered else count_draws
-    costs = {"enumeration": count(mdp, group_size, prompts_per_batch)}
-    if exchangeable_ok and method != "enumeration":
-        costs["exchangeability"] = exchangeability_cost(mdp, _type_keys(steps), mu_probs,
-                                                        group_size)
-    if method in costs:
-        best = method
-    else:
-        best = min(costs, key=costs.get)
-    need = costs[best] * (BYTES_PER_DRAWN_RESPONSE * width + 16)
-    if method == "auto":
-        # exact is never less precise: Monte Carlo only when exact would take longer (batches
-        # times their relative cost), would not fit the budget, or exceeds a cap the caller set
-        slower = costs[best] > max(mc_cost * num_samples, ALWAYS_EXACT_DRAWS)
-        capped = max_exact_draws is not None and costs[best] > max_exact_draws
-        if slower or capped or need > budget.memory_budget(memory_budget):
-            return _check_sampled(num_samples, width, group_size, prompts_per_batch,
-                                  memory_budget)
-    budget.check_budget(f"method={best}, group_size={group_size}, prompts_per_batch="
-                        f"{prompts_per_batch}, {mdp.responses_per_prompt} responses per prompt",
-                        costs[best], "batches", need, memory_budget=memory_budget)
-    return best
-
-
-def _check_sampled(num_samples, width, group_size, prompts_per_batch, memory_budget) -> str:
-    """``"monte_carlo"``, once its sampled batches (their ids and the per-block work, as an
-    exact draw's) are known to fit the memory budget."""
-    budget.check_budget(f"method=monte_carlo, num_samples={num_samples}, group_size={group_size}, "
-                        f"prompts_per_batch={prompts_per_batch}", num_samples, "sampled batches",
-                        num_samples * (BYTES_PER_DRAWN_RESPONSE * width + 16),
-                        memory_budget=memory_budget)
-    return "monte_carlo"

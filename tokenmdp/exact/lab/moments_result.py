@@ -77,6 +77,17 @@ class Moments:
         return self.mean - self.true_gradient
 
     @property
+    def relative_se(self) -> float:
+        """``‖SE(E ĝ)‖ / ‖∇J‖``: how far the mean may be off, relative to the true gradient's
+        length (``‖mean‖`` when ``∇J = 0``); 0 for an exact method. It is what
+        ``method="auto"`` reaches (its ``target_rse``)."""
+        if self.mean_se is None:
+            return 0.0
+        scale = float(self.true_gradient.norm()) or float(self.mean.norm())
+        se = float(self.mean_se.norm())
+        return se / scale if scale > 0 else (0.0 if se == 0 else float("inf"))
+
+    @property
     def relative_bias(self) -> float:
         """``‖E[ĝ] − ∇J‖ / ‖∇J‖``."""
         return float(self.bias.norm() / self.true_gradient.norm())
