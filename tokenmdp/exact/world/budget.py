@@ -19,8 +19,8 @@ import math
 import numbers
 import os
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "BUDGET_ENV", "check_budget", "format_bytes", "magnitude",
-           "memory_budget"]
+__all__ = ["DEFAULT_MEMORY_BUDGET", "BUDGET_ENV", "MAX_LOG2_SEQUENCES", "check_budget",
+           "check_countable", "format_bytes", "magnitude", "memory_budget"]
 
 DEFAULT_MEMORY_BUDGET = 2 * 1024 ** 3
 """Bytes an exact enumeration may need before it is refused (2 GiB)."""
@@ -148,3 +148,33 @@ def check_budget(what: str, count: int, unit: str, bytes_needed: int, *,
         raise ValueError(f"{what}: {shown} {unit} would need about {format_bytes(bytes_needed)}, "
                          f"over the exact world's memory budget of {format_bytes(budget)} "
                          f"(raise it with {BUDGET_ENV}=... or memory_budget=)")
+
+
+#: log2 of the largest count of sequences the budget check computes exactly; beyond it (about
+#: 10^308 sequences) no budget could hold the enumeration, and the exact count of a length such
+#: as 10^9 would take minutes to form.
+MAX_LOG2_SEQUENCES = 1024
+
+
+def check_countable(vocab_size: int, max_len: int, num_prompts: int) -> None:
+    """Refuse, from logarithms alone, a token MDP whose sequence count is past ``2^1024``.
+
+    Parameters
+    ----------
+    vocab_size, max_len, num_prompts : int
+        ``V`` (EOS included), ``L`` and ``P`` of the MDP.
+
+    Raises
+    ------
+    ValueError
+        Naming the sizes and the order of magnitude of the count (and the lattice, which is
+        exact at long lengths without enumerating).
+    """
+    b = vocab_size - 1
+    log2_count = math.log2(num_prompts) + (math.log2(max_len + 1) if b == 1 else
+                                           (max_len + 1) * math.log2(b) - math.log2(b - 1))
+    if log2_count > MAX_LOG2_SEQUENCES:
+        raise ValueError(f"vocab_size={vocab_size}, max_len={max_len}, {num_prompts} prompt(s): "
+                         f"about 10^{log2_count * math.log10(2):.0f} sequences, over any memory "
+                         "budget of the exact world (the lattice, tokenmdp.exact.lattice, is "
+                         "exact at long lengths without enumerating)")

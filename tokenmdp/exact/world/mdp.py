@@ -25,7 +25,6 @@ layout, the reward table) and the batch-side methods (:meth:`TokenMDP.make_batch
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
@@ -34,7 +33,7 @@ import torch
 
 from tokenmdp.batch import TokenBatch
 from tokenmdp.exact.world import _enumeration
-from tokenmdp.exact.world.budget import check_budget
+from tokenmdp.exact.world.budget import check_budget, check_countable
 
 __all__ = ["TokenMDP"]
 
@@ -49,24 +48,6 @@ def enumeration_bytes(num_sequences: int, max_prompt_len: int, max_len: int) -> 
     """Estimated memory of enumerating ``num_sequences`` sequences: the terminal layout
     (``max_len + 3`` longs each) plus the padded batch (:data:`BYTES_PER_TOKEN` per token)."""
     return num_sequences * (8 * (max_len + 3) + BYTES_PER_TOKEN * (max_prompt_len + max_len))
-
-
-#: log2 of the largest count of sequences the budget check computes exactly; beyond it (about
-#: 10^308 sequences) no budget could hold the enumeration, and the exact count of a length such
-#: as 10^9 would take minutes to form.
-MAX_LOG2_SEQUENCES = 1024
-
-
-def _refuse_astronomical(vocab_size: int, max_len: int, num_prompts: int) -> None:
-    """Refuse, from logarithms alone, an MDP whose sequence count is past ``2^1024``."""
-    b = vocab_size - 1
-    log2_count = math.log2(num_prompts) + (math.log2(max_len + 1) if b == 1 else
-                                           (max_len + 1) * math.log2(b) - math.log2(b - 1))
-    if log2_count > MAX_LOG2_SEQUENCES:
-        raise ValueError(f"vocab_size={vocab_size}, max_len={max_len}, {num_prompts} prompt(s): "
-                         f"about 10^{log2_count * math.log10(2):.0f} sequences, over any memory "
-                         "budget of the exact world (the lattice, tokenmdp.exact.lattice, is "
-                         "exact at long lengths without enumerating)")
 
 
 def _token_id(t, prompt: int) -> int:
@@ -147,7 +128,7 @@ class TokenMDP:
         self.vocab_size = int(vocab_size)
         self.max_len = int(max_len)
         self.prompts: tuple[tuple[int, ...], ...] = tuple(prompts)
-        _refuse_astronomical(self.vocab_size, self.max_len, len(prompts))
+        check_countable(self.vocab_size, self.max_len, len(prompts))
         check_budget(f"vocab_size={self.vocab_size}, max_len={self.max_len}, "
                      f"{len(prompts)} prompt(s)", self.num_sequences, "sequences",
                      enumeration_bytes(self.num_sequences, max(map(len, prompts)), self.max_len),
