@@ -98,7 +98,8 @@ def ppo() -> Estimator:
                    "kl_loss_type=low_var_kl (verl's kl_loss_coef defaults to 0.001; set 0.04, "
                    "the paper's β used here), plus the dual clip at clip_ratio_c = 3 its vanilla "
                    "loss always applies (differs on Â < 0 tokens with r > 3: grpo_verl); TRL "
-                   "loss_type='grpo', beta, epsilon (TRL's default vllm_importance_sampling "
+                   "loss_type='grpo', beta, epsilon (TRL divides by the group std + 1e-4, here "
+                   "+ 1e-6; TRL's default vllm_importance_sampling "
                    "correction is sequence_mask at 3: grpo_trl_mis)")
 def grpo() -> Estimator:
     """GRPO: group mean/std advantage (sample std, ε 1e-6), PPO clip ε = 0.2, sequence-mean of
@@ -126,8 +127,9 @@ def dr_grpo() -> Estimator:
            paper="Yu et al. (DAPO), arXiv 2503.14476",
            aliases="verl clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=token-mean, "
                    "plus its always-on dual clip at clip_ratio_c = 3 (dapo_verl); TRL "
-                   "loss_type='dapo', epsilon_high=0.28 (with TRL's default sequence_mask "
-                   "correction at 3: dapo_trl_mis)")
+                   "loss_type='dapo', epsilon_high=0.28 (TRL divides by the group std + 1e-4, "
+                   "here + 1e-6; with TRL's default sequence_mask correction at 3: "
+                   "dapo_trl_mis)")
 def dapo() -> Estimator:
     """DAPO: clip-higher (ε_low 0.2, ε_high 0.28), token-level mean over the step, no KL.
     Dynamic sampling and overlong shaping act on the data, not the loss."""
