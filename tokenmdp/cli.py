@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     int
         The exit status of the command (0 on success). A usage error (a ``ValueError``) exits 2
         and a diverged run 1, each with one line on stderr, through ``SystemExit``; a reader
-        that closed standard output ends the command quietly with :data:`BROKEN_PIPE_STATUS`.
+        that closed standard output ends the command quietly with 141 (``BROKEN_PIPE_STATUS``).
     """
     parser = make_parser()
     args = parser.parse_args(argv)

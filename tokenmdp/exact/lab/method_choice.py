@@ -73,9 +73,40 @@ def choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_g
             max_exact_draws, memory_budget=None, *, num_samples=4096, mc_cost=1.0,
             ordered=False, typed=True) -> str:
     """Resolve ``auto`` / ``exact`` to a concrete method, check the requested one applies and
-    that an exact one fits the memory budget (refused from its closed-form count). ``ordered``:
-    the enumeration takes every ordered draw; ``typed``: the gradient is an Estimator's (whose
-    types the exchangeability method reads)."""
+    that it fits the memory budget (refused from its closed-form count).
+
+    Parameters
+    ----------
+    method : str
+        One of :data:`METHODS`.
+    steps : StepGradients or LossFnGradients
+        The per-batch gradients of the estimator (its types, for the exchangeability cost).
+    mdp : TokenMDP
+        The MDP.
+    mu_probs : Tensor
+        The sampler's sequence probabilities.
+    group_size, prompts_per_batch : int
+        ``G`` and the groups per batch.
+    filter_groups : bool
+        DAPO's dynamic sampling.
+    max_exact_draws : int or None
+        The cap of ``auto`` on exact batches.
+    memory_budget : int, float or str, optional
+        The budget (:func:`~tokenmdp.exact.world.budget.memory_budget`).
+    num_samples : int
+        The Monte Carlo run ``auto`` compares the exact cost with.
+    mc_cost : float
+        Exact batches one Monte Carlo batch costs.
+    ordered : bool
+        Whether the enumeration takes every ordered draw.
+    typed : bool
+        Whether the gradient is an Estimator's (whose types the exchangeability method reads).
+
+    Returns
+    -------
+    str
+        ``"enumeration"``, ``"exchangeability"`` or ``"monte_carlo"``.
+    """
     width = group_size * prompts_per_batch
     if method == "monte_carlo":
         return check_sampled(num_samples, width, group_size, prompts_per_batch, memory_budget)
@@ -117,8 +148,29 @@ def choose(method, steps, mdp, mu_probs, group_size, prompts_per_batch, filter_g
 
 
 def check_sampled(num_samples, width, group_size, prompts_per_batch, memory_budget) -> str:
-    """``"monte_carlo"``, once its sampled batches (their ids and the per-block work, as an
-    exact draw's) are known to fit the memory budget."""
+    """``"monte_carlo"``, once its sampled batches are known to fit the memory budget.
+
+    Parameters
+    ----------
+    num_samples : int
+        The sampled batches.
+    width : int
+        Responses per batch (``group_size · prompts_per_batch``).
+    group_size, prompts_per_batch : int
+        Named by the refusal.
+    memory_budget : int, float or str, optional
+        The budget (:func:`~tokenmdp.exact.world.budget.memory_budget`).
+
+    Returns
+    -------
+    str
+        ``"monte_carlo"``.
+
+    Raises
+    ------
+    ValueError
+        The batches (their ids and per-block work, as an exact draw's) exceed the budget.
+    """
     budget.check_budget(f"method=monte_carlo, num_samples={num_samples}, group_size={group_size}, "
                         f"prompts_per_batch={prompts_per_batch}", num_samples, "sampled batches",
                         num_samples * (BYTES_PER_DRAWN_RESPONSE * width + 16),
