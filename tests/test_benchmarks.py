@@ -127,3 +127,9 @@ def test_replay_study_quick(tmp_path):
     run_script("replay_study.py", "--quick", "--out", str(tmp_path))
     for name in ("results.md", "results.csv", "curves.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_interrupts_benchmark_small():
+    out = run_script("interrupts.py", "--iterations", "2")
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["clean"] == 2 and result["failures"] == [], out

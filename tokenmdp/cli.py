@@ -175,7 +175,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for n in names:
         estimators.get(n)  # unknown names fail here, before any work
     setup = _setup(args)
-    created = not Path(args.out).exists() if args.out.strip() else False
+    created = not Path(args.out).exists()   # ('' is refused by _output_folder)
     out = _output_folder(args.out)
     try:
         return _compare(args, setup, names, out)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from tests.estimators.estimator_helpers import make_batch, response_values
+from tests.estimators.registry.padded import padded
 from tokenmdp import estimators
 from tokenmdp.estimators import loss, prepare
 
@@ -42,16 +43,7 @@ def _world():
 
 
 def _padded(batch, values_RC):
-    """``[B, T]`` of the response tokens, zero-padded, and the mask (one row a sequence)."""
-    lengths = [len(r) for r in LOG_R]
-    out = values_RC.new_zeros(len(lengths), max(lengths))
-    mask = torch.zeros(len(lengths), max(lengths), dtype=torch.bool)
-    for s, n in enumerate(lengths):
-        sel = (batch.sequence_id == s) & batch.loss_mask
-        order = torch.argsort(batch.position[sel])
-        out[s, :n] = values_RC[sel][order]
-        mask[s, :n] = True
-    return out, mask
+    return padded(batch, values_RC, [len(r) for r in LOG_R])
 
 
 def _weights(kind, old, behavior, mask):

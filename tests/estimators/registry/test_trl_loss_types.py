@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from tests.estimators.estimator_helpers import make_batch, response_values
+from tests.estimators.registry.padded import padded
 from tokenmdp import estimators
 from tokenmdp.estimators import loss, prepare
 
@@ -33,13 +34,7 @@ def _world():
 
 
 def _padded(batch, values_RC):
-    out = values_RC.new_zeros(len(LOG_R), L_MAX)
-    mask = torch.zeros(len(LOG_R), L_MAX, dtype=torch.bool)
-    for s, r in enumerate(LOG_R):
-        sel = (batch.sequence_id == s) & batch.loss_mask
-        out[s, :len(r)] = values_RC[sel][torch.argsort(batch.position[sel])]
-        mask[s, :len(r)] = True
-    return out, mask
+    return padded(batch, values_RC, [len(r) for r in LOG_R], L_MAX)
 
 
 def trl_loss(loss_type, log_prob, old, ref, adv_B, mask, *, epsilon, epsilon_high, beta):
