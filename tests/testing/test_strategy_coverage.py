@@ -78,6 +78,22 @@ def test_token_batches_without_partial_masks_never_clear_a_response_token():
     assert seen["empty response"] > 0                    # the other cases are still drawn
 
 
+def test_token_batches_with_edge_masks_always_hold_a_masked_and_a_partly_masked_response():
+    seen = _collect(testing.token_batches(edge_masks=True), _edge_labels)
+    assert seen["masked response"] == seen["partly masked response"] == EXAMPLES, seen
+    assert seen["empty response"] > 0 and seen["2 groups"] > 0       # still drawn around them
+
+
+def _edge_labels(batch):
+    counts = batch.sequence_sum(batch.loss_mask.to(batch.dtype))
+    if int(batch.length[0]) > 0 and float(counts[0]) == 0:
+        yield "masked response"
+    if 0 < float(counts[1]) < int(batch.length[1]):
+        yield "partly masked response"
+    yield from (label for label in _batch_labels(batch) if label in ("empty response",
+                                                                      "2 groups"))
+
+
 def test_token_batches_with_logprobs_fixed_set_all_or_none():
     for flag in (True, False):
         seen = _collect(testing.token_batches(with_logprobs=flag), _batch_labels)

@@ -42,7 +42,8 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 def token_batches(draw, *, dtype: torch.dtype = torch.float64, max_groups: int = 3,
                   min_group_size: int = 2, max_group_size: int = 3, num_prompts: int = 3,
                   max_prompt_len: int = 3, max_response_len: int = 4, vocab_size: int = 5,
-                  with_logprobs: bool | None = None, partial_loss_mask: bool = True) -> TokenBatch:
+                  with_logprobs: bool | None = None, partial_loss_mask: bool = True,
+                  edge_masks: bool = False) -> TokenBatch:
     """Random valid TokenBatches: groups of responses to shared prompts, one sequence per row.
 
     Parameters
@@ -64,6 +65,12 @@ def token_batches(draw, *, dtype: torch.dtype = torch.float64, max_groups: int =
         registered estimator can run); False: none is; None (default): each one is drawn.
     partial_loss_mask : bool
         Sometimes clear ``loss_mask`` on some response tokens (tool outputs, masked spans).
+    edge_masks : bool, default False
+        Always hold both edge cases of the loss mask, which the random draw reaches only
+        rarely: the first sequence has a response (1 token or more) with *no* loss token, and
+        the second one (2 tokens or more) has loss tokens and response tokens outside the loss
+        mask. The first group then has at least two sequences; needs ``max_group_size >= 2``
+        and ``max_response_len >= 2``.
 
     Returns
     -------
@@ -81,17 +88,24 @@ def token_batches(draw, *, dtype: torch.dtype = torch.float64, max_groups: int =
     _check_int("max_prompt_len", max_prompt_len, 1)
     _check_int("max_response_len", max_response_len, 0)
     _check_int("vocab_size", vocab_size, 1)
+    if edge_masks and (max_group_size < 2 or max_response_len < 2):
+        raise ValueError(f"edge_masks: needs max_group_size >= 2 and max_response_len >= 2 (a "
+                         f"masked and a partly masked response), got {max_group_size} and "
+                         f"{max_response_len}")
     token = st.integers(0, vocab_size - 1)
     prompt_table = draw(st.lists(st.lists(token, min_size=1, max_size=max_prompt_len),
                                  min_size=num_prompts, max_size=num_prompts))
     sizes = draw(st.lists(st.integers(min_group_size, max_group_size), min_size=1,
                           max_size=max_groups))
+    if edge_masks:
+        sizes[0] = max(sizes[0], 2)
     prompts, responses, groups, prompt_index = [], [], [], []
     for g, size in enumerate(sizes):
         p = draw(st.integers(0, num_prompts - 1))
         for _ in range(size):
             prompts.append(prompt_table[p])
-            n = draw(st.integers(0, max_response_len))   # uniform, unlike a list's length
+            shortest = (1, 2)[len(responses)] if edge_masks and len(responses) < 2 else 0
+            n = draw(st.integers(shortest, max_response_len))   # uniform, unlike a list's length
             responses.append(draw(st.lists(token, min_size=n, max_size=n)))
             groups.append(g)
             prompt_index.append(p)
@@ -109,6 +123,8 @@ def token_batches(draw, *, dtype: torch.dtype = torch.float64, max_groups: int =
     mask = batch.loss_mask
     if partial_loss_mask and draw(st.booleans()):
         mask = mask & torch.as_tensor(rng.random(shape) < 0.7)
+    if edge_masks:
+        mask = _edge_masks(batch, mask, rng)
     response = batch.response_mask
     changes = {"loss_mask": mask, "advantage": random_field(rng.normal(size=shape), mask),
                "loss_weight": mask.to(dtype)}
@@ -119,6 +135,18 @@ def token_batches(draw, *, dtype: torch.dtype = torch.float64, max_groups: int =
             shift = 0.0 if name == "old_logprob" else rng.normal(scale=0.3, size=shape)
             changes[name] = random_field(np.minimum(old + shift, 0.0), response)
     return batch.replace(**changes)
+
+
+def _edge_masks(batch: TokenBatch, mask: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+    """``mask`` with sequence 0's response cleared and, of sequence 1's response, one random
+    token cleared and another one kept (the rest as drawn)."""
+    response = batch.response_mask
+    mask = mask & ~(response & (batch.sequence_id == 0))
+    places = torch.nonzero(response & (batch.sequence_id == 1))
+    cleared, kept = rng.choice(len(places), size=2, replace=False)
+    mask[tuple(places[cleared])] = False
+    mask[tuple(places[kept])] = True
+    return mask
 
 
 # ------------------------------------------------------------------------------ layouts

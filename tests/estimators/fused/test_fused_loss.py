@@ -224,9 +224,9 @@ def reference_dppo_kl_keep(lp, old, A, delta_low, delta_high):
 
 
 @settings(max_examples=40, deadline=None)
-@given(token_batches(with_logprobs=True, max_response_len=6), st.sampled_from(["grpo",
-                                                                              "grpo_verl"]),
-       st.sampled_from([0.05, 0.4, 1.5]), st.integers(0, 2**16))
+@given(token_batches(with_logprobs=True, max_response_len=6, edge_masks=True),
+       st.sampled_from(["grpo", "grpo_verl"]), st.sampled_from([0.05, 0.4, 1.5]),
+       st.integers(0, 2**16))
 def test_fused_grpo_matches_the_written_out_formula(batch, name, scale, seed):
     est = E.get(name)
     step = E.prepare(batch, est, max_len=8)
@@ -243,8 +243,8 @@ def test_fused_grpo_matches_the_written_out_formula(batch, name, scale, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(token_batches(with_logprobs=True, max_response_len=6), st.sampled_from([0.05, 0.4, 1.5]),
-       st.integers(0, 2**16))
+@given(token_batches(with_logprobs=True, max_response_len=6, edge_masks=True),
+       st.sampled_from([0.05, 0.4, 1.5]), st.integers(0, 2**16))
 def test_fused_dppo_kl_matches_the_written_out_formula(batch, scale, seed):
     est = E.get("dppo_kl")
     step = E.prepare(batch, est, max_len=8)
