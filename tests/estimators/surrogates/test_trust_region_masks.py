@@ -137,6 +137,32 @@ def test_opsm_masks_negative_far_sequences_only():
     assert OffPolicySequenceMask(base, against="old").requires == ("old_logprob",)
 
 
+@pytest.mark.parametrize("against", ["behavior", "old"])
+def test_opsm_measures_the_divergence_against_the_chosen_sampler(against):
+    """Issue 33: ``against`` picks the log-probs of the divergence. π_old and μ differ here so
+    that each choice masks a different sequence (seq 0 is far from μ only, seq 1 from π_old
+    only); the expected mask is the mean ``log(sampler/π_θ)`` over the loss tokens, by hand."""
+    old = [[-1.0, -1.0], [-0.3, -0.4], [-1.8]]
+    mu = [[-0.3, -0.5], [-1.0, -1.0], [-1.0]]
+    batch = make_batch([[7], [8], [9]], [[1, 2], [3, 4], [5]], rewards=[0.0, 0.0, 1.0],
+                       old=old, behavior=mu)
+    lp_lists = [[-1.0, -1.0], [-1.0, -1.1], [-1.9]]
+    adv = response_values(batch, [[-1.0, -1.0], [-1.0, -1.0], [-1.0]])
+    batch = batch.replace(advantage=adv)
+    sampler = mu if against == "behavior" else old
+    far = [sum(q - p for q, p in zip(qs, ps, strict=True)) / len(ps) > 0.5
+           for qs, ps in zip(sampler, lp_lists, strict=True)]
+    assert far == ([True, False, True] if against == "behavior" else [False, True, False])
+    lp = response_values(batch, lp_lists).requires_grad_(True)
+    base = PPOClip(eps_low=10.0, eps_high=10.0)            # no clip: gradient r Â
+    terms = OffPolicySequenceMask(base, delta=0.5, against=against)(lp, batch)
+    (g,) = torch.autograd.grad(terms.term_RC[batch.loss_mask].sum(), lp)
+    ratio = (lp - batch.old_logprob).exp().detach()
+    keep = response_values(batch, [[0.0 if f else 1.0] * len(ps)
+                                   for f, ps in zip(far, lp_lists, strict=True)])
+    torch.testing.assert_close(g, keep * ratio * adv, atol=EXACT, rtol=0)
+
+
 @pytest.mark.parametrize(("build", "name"), [
     (lambda: DPPO(delta_low=0.0), "delta_low"),
     (lambda: DPPO(delta_high=-0.1), "delta_high"),

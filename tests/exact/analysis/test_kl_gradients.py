@@ -153,3 +153,19 @@ def test_bad_penalty_raises_type_error(mdp):
     with pytest.raises(ValueError, match="num_batches"):
         sampled_penalty_gradients(mdp, pi, ref, KLPenalty(coef=1.0, in_reward=False),
                                   num_batches=1, batch_size=4, generator=torch.Generator())
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_sampled_batches_from_a_behavior_agree_with_its_enumeration(mdp, weighted):
+    """Issue 33, gap 2: the sampler's ``behavior`` option. Batches drawn from ``μ`` estimate the
+    off-policy enumeration and, measurably, not the on-policy one."""
+    pi, ref, mu = three_policies(mdp)
+    penalty = KLPenalty(coef=BETA, in_reward=False, estimator=kl_k3,
+                        importance_weighted=weighted)
+    off = kl_penalty_moments(mdp, pi, ref, penalty, behavior=mu).mean
+    on = kl_penalty_moments(mdp, pi, ref, penalty).mean
+    g = sampled_penalty_gradients(mdp, pi, ref, penalty, num_batches=400, batch_size=50,
+                                  generator=torch.Generator().manual_seed(1), behavior=mu)
+    se = (g.std(0) / g.shape[0] ** 0.5).clamp(min=1e-300)
+    assert float(((g.mean(0) - off) / se).abs().max()) < Z_TOL
+    assert float(((g.mean(0) - on) / se).abs().max()) > Z_TOL
