@@ -33,6 +33,7 @@ from tokenmdp.estimators.corrections.factor import (
     NoCorrection,
     TruncatedIS,
 )
+from tokenmdp.estimators.corrections.rejection import RejectionSampling
 from tokenmdp.estimators.surrogates.clipped import CISPO, MiniRL, PPOClip
 from tokenmdp.estimators.surrogates.soft import SAPO, EntropyBonus
 from tokenmdp.estimators.surrogates.token import Reinforce, TokenRatio
@@ -42,7 +43,7 @@ __all__ = ["LOCAL_SURROGATES", "exact_support", "length_weights", "token_coeffic
 
 LOCAL_SURROGATES = (Reinforce, TokenRatio, PPOClip, CISPO, MiniRL, SAPO, DPPO)
 """Surrogates whose term at a token reads only that token's log-probs and advantage."""
-_LOCAL_CORRECTIONS = (NoCorrection, ImportanceSampling, TruncatedIS, MaskedIS)
+_LOCAL_CORRECTIONS = (NoCorrection, ImportanceSampling, TruncatedIS, MaskedIS, RejectionSampling)
 #: Relative tolerance when recognising the form of the probe weights.
 WEIGHT_TOL = 1e-12
 
@@ -57,13 +58,15 @@ def exact_support(estimator: Estimator, group_size: int) -> tuple[bool, str]:
     """Whether the lattice computes ``estimator``'s moments exactly, and the reason if not.
 
     Exact: a token-local surrogate (:data:`LOCAL_SURROGATES`, or an entropy bonus on one), no
-    correction or a token-level IS / truncated IS / masked IS (rejects kept in the normalizer),
+    correction or a token-level IS / truncated IS / masked IS / rejection mask (``reduce=
+    'token'``; rejects kept in the normalizer),
     no KL or a KL penalty in the loss, an advantage part that reads only the group's rewards
     (the default ``from_batch`` and ``per_sequence``, not token-level), and an aggregation whose
     weight is constant or ``w_0 / |y_i|`` (:func:`length_weights`). Not exact: sequence-level
     ratios or corrections (GSPO's geometric mean, sequence IS, per-decision IS, sequence masks),
-    a KL penalty in the reward (the reward is then no longer few-valued), advantages that read
-    lengths or tokens, rejects leaving the normalizer, and the token mean's normalizer
+    self-normalized weights (their mean over the step couples the sequences), a KL penalty in
+    the reward (the reward is then no longer few-valued), advantages that read lengths or
+    tokens, rejects leaving the normalizer, and the token mean's normalizer
     ``Σ_j |y_j|`` coupling ``G >= 2`` responses.
 
     Parameters
@@ -93,11 +96,15 @@ def exact_support(estimator: Estimator, group_size: int) -> tuple[bool, str]:
         return False, (f"surrogate {estimator.surrogate.describe()} is not token-local (a "
                        "sequence-level ratio, mask or clip couples the tokens of a response)")
     corr = estimator.correction
-    if not isinstance(corr, _LOCAL_CORRECTIONS) or getattr(corr, "level", Level.TOKEN) \
-            is not Level.TOKEN:
+    if getattr(corr, "level", Level.TOKEN) is not Level.TOKEN:
         return False, f"correction {corr.describe()} is not token-level"
-    if isinstance(corr, MaskedIS) and not corr.masked_in_normalizer:
-        return False, "masked IS rejects leave the normalizer (the counts become random)"
+    if not isinstance(corr, _LOCAL_CORRECTIONS):
+        return False, (f"correction {corr.describe()} is not a token-local factor (those are "
+                       "IS, truncated IS, masked IS and token rejection masks; a self-normalized "
+                       "weight's step mean couples the sequences)")
+    if isinstance(corr, MaskedIS | RejectionSampling) and not corr.masked_in_normalizer:
+        return False, (f"correction {corr.describe()}: its rejects leave the normalizer (the "
+                       "counts become random)")
     part = estimator.advantage
     overridden = [m for m in ("from_batch", "per_sequence")
                   if getattr(type(part), m, None) is not getattr(Advantage, m, None)]
