@@ -199,3 +199,20 @@ def test_entropy_bonus_refuses_a_non_surrogate_base():
         EntropyBonus("ppo")
     with pytest.raises(TypeError, match="base"):
         EntropyBonus(EntropyBonus(PPOClip()))
+
+
+def test_sapo_defaults_are_the_papers_temperatures_and_the_registry_uses_them():
+    """Issue 33, gap 5: τ_pos = 1.0, τ_neg = 1.05 (Gao et al., arXiv 2511.20347, §5), pinned by
+    the gradient weight ``4 σ(1 - σ) r`` at a hand value of each sign, not by the fields."""
+    from tokenmdp.estimators import get
+    for part in (SAPO(), get("sapo").surrogate):
+        assert isinstance(part, SAPO)
+        batch, lp, adv = _fixture(log_r=[[0.4, 0.4, 0.4], [0.4]])
+        batch = batch.replace(advantage=adv)
+        (g,) = torch.autograd.grad(part(lp, batch).term_RC[batch.loss_mask].sum(), lp)
+        r = math.exp(0.4)
+        for s, tau in ((0, 1.0), (1, 1.05)):
+            sig = 1 / (1 + math.exp(-tau * (r - 1)))
+            want = 4 * sig * (1 - sig) * r * ADV[s][0]
+            got = g[(batch.sequence_id == s) & batch.loss_mask]
+            assert got.tolist() == pytest.approx([want] * len(got), abs=EXACT), (s, tau)

@@ -30,6 +30,19 @@ def test_numpy_and_fractional_budgets_are_read_as_bytes():
     assert memory_budget(1.0) == 1 and memory_budget("1K") == 1024 and memory_budget("2M") == 2 ** 21
 
 
+@pytest.mark.parametrize(("text", "size"), [
+    ("1K", 1024), ("3k", 3 * 1024), ("512M", 512 * 1024 ** 2), ("512MiB", 512 * 1024 ** 2),
+    ("1.5G", 3 * 1024 ** 3 // 2), ("16GB", 16 * 1024 ** 3), ("2T", 2 * 1024 ** 4), ("4096", 4096)])
+def test_the_suffixes_are_powers_of_1024(text, size, monkeypatch):
+    """Issue 33, gap 5: K, M, G, T are 1024, 1024², 1024³, 1024⁴ (not 1000), with or without
+    ``B`` / ``iB``, in either case; the same read from the environment; the default is 2 GiB."""
+    assert memory_budget(text) == size
+    monkeypatch.setenv(BUDGET_ENV, text)
+    assert memory_budget() == size
+    monkeypatch.delenv(BUDGET_ENV)
+    assert memory_budget() == 2 * 1024 ** 3
+
+
 @pytest.mark.parametrize("max_len", [1000, 2000, 10 ** 9])
 def test_a_length_past_any_budget_is_refused_at_once(max_len):
     start = time.perf_counter()
