@@ -117,6 +117,16 @@ def test_trl_default_correction_is_trls_sequence_mask():
     ("dr_grpo", ["dual clip"]),
     ("cispo", ["[0, 4]", "cispo_tinker"]),
     ("grpo_tis", ["token_truncate", "'sequence_mask' and 3"]),
+    # issue 32, found by the transcriptions (tests/estimators/registry/test_*_peers.py,
+    # test_verl_*.py): the peers' settings under which the claimed equality holds
+    ("grpo", ["R/(1 + 1e-6) in verl, is refused here"]),
+    ("rloo", ["keeps its reward there, is refused here", "beta=0.0, on-policy",
+              "init_kl_coef=0", "S/N_tokens"]),
+    ("dppo_tv", ["ActorConfig's clip_ratio_c = 3.0", "DPPO(cap=3.0)"]),
+    ("dppo_kl", ["ActorConfig's clip_ratio_c = 3.0"]),
+    ("grpo_opsm", ["vllm_importance_sampling_correction=False"]),
+    ("grpo_rs_seq", ["the sequence count S is the whole mini-batch"]),
+    ("reinforce_pp_baseline", ["init_kl_coef × the token mean of k"]),
 ])
 def test_aliases_state_where_the_peers_differ(name, phrases):
     aliases = estimators.describe(name).split("Other names:")[1]

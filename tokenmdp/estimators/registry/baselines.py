@@ -31,7 +31,8 @@ from tokenmdp.estimators.surrogates.token import Reinforce
                    "reward there, its deviation is 0 here); OpenRLHF "
                    "advantage_estimator=reinforce_baseline differs: no dual clip, the population "
                    "variance floored at 1e-8, and a per-token k1 KL reward (init_kl_coef 0.01) "
-                   "unless use_kl_loss (see reinforce_pp_kl)")
+                   "unless use_kl_loss, under which it adds init_kl_coef × the token mean of k "
+                   "to the loss instead (see reinforce_pp_kl)")
 def reinforce_pp_baseline() -> Estimator:
     """REINFORCE++-baseline as verl runs it: group mean subtracted, then whitened over every
     loss token of the step (token-weighted, Bessel-corrected, ``+1e-8`` in the square root);

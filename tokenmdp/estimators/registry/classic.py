@@ -45,7 +45,13 @@ def reinforce() -> Estimator:
 
 @_register("rloo", formula="-1/S Σ_i Σ_t (R_i - mean_{j≠i} R_j) log π(y_it)",
            paper="Kool et al. 2019 (ICLR DeepRLStructPred); Ahmadian et al., arXiv 2402.14740",
-           aliases="verl adv_estimator=rloo; TRL RLOOTrainer; OpenRLHF advantage_estimator=rloo")
+           aliases="verl adv_estimator=rloo (a one-response group keeps its reward there, is "
+                   "refused here); TRL RLOOTrainer with beta=0.0, on-policy (its default beta "
+                   "0.05 takes a KL off the reward, and its loss clips a sequence ratio, so "
+                   "off-policy it differs); OpenRLHF advantage_estimator=rloo: the same "
+                   "advantage at init_kl_coef=0 (its default 0.01 adds a k1 KL reward), trained "
+                   "with PPO's clip over the batch's token mean (on-policy: this gradient times "
+                   "S/N_tokens)")
 def rloo() -> Estimator:
     """RLOO: leave-one-out baseline (unbiased), weighted NLL, sequence-mean of token sums."""
     return Estimator(name="rloo", surrogate=Reinforce(), advantage=LeaveOneOut(),
@@ -100,7 +106,8 @@ def ppo() -> Estimator:
                    "loss always applies (differs on Â < 0 tokens with r > 3: grpo_verl); TRL "
                    "loss_type='grpo', beta, epsilon (TRL divides by the group std + 1e-4, here "
                    "+ 1e-6; TRL's default vllm_importance_sampling "
-                   "correction is sequence_mask at 3: grpo_trl_mis)")
+                   "correction is sequence_mask at 3: grpo_trl_mis); a one-response group has "
+                   "the advantage R/(1 + 1e-6) in verl, is refused here")
 def grpo() -> Estimator:
     """GRPO: group mean/std advantage (sample std, ε 1e-6), PPO clip ε = 0.2, sequence-mean of
     token means, k3 KL in the loss with β = 0.04 (paper). Needs ``ref_logprob``."""
@@ -113,7 +120,8 @@ def grpo() -> Estimator:
 @_register("dr_grpo", formula="-1/(S L_max) Σ_i Σ_t min(r Â, clip(r) Â), Â = R - mean_g",
            paper="Liu et al. (Dr. GRPO), arXiv 2503.20783",
            aliases="verl norm_adv_by_std_in_grpo=False, loss_agg_mode=seq-mean-token-sum-norm "
-                   "(its vanilla loss adds a dual clip at clip_ratio_c = 3 on Â < 0, r > 3); "
+                   "(its vanilla loss adds a dual clip at clip_ratio_c = 3 on Â < 0, r > 3; a "
+                   "one-response group keeps its reward there, its deviation is 0 here); "
                    "TRL loss_type='dr_grpo', scale_rewards=False")
 def dr_grpo() -> Estimator:
     """Dr. GRPO: no std and no ``1/|y|`` (both biases removed), PPO clip ε = 0.2, constant

@@ -41,7 +41,9 @@ def sapo() -> Estimator:
 _DPPO_ALIASES = ("verl policy_loss.loss_mode=dppo_{kind} (clip_ratio_low / clip_ratio_high are "
                  "the {name} thresholds; its example script: {delta}, Dr. GRPO advantage, "
                  "seq-mean-token-sum-norm, bypass_mode; verl's weight is sg(min(r, clip_ratio_c)), "
-                 "the example sets clip_ratio_c = 10000, i.e. no cap); prime-rl")
+                 "the example sets clip_ratio_c = 10000, i.e. no cap; left unset, its "
+                 "ActorConfig's clip_ratio_c = 3.0 caps the weight at 3: DPPO(cap=3.0)); "
+                 "prime-rl")
 
 
 @_register("dppo_tv", formula="-1/(S L_max) Σ_i Σ_t M_t sg(r_t) Â log π, M_t = 0 iff "
@@ -86,7 +88,10 @@ def gmpo() -> Estimator:
                                 "iff Â_i < 0 and mean_t log(μ/π_θ) > δ",
            paper="DeepSeek-AI (DeepSeek-V3.2), arXiv 2512.02556, off-policy sequence masking",
            aliases="TRL off_policy_mask_threshold=δ (default None: off; its docs suggest 0.5; "
-                   "the divergence uses the sampling log-probs, π_old without them); slime "
+                   "the divergence uses the sampling log-probs, π_old without them) with "
+                   "vllm_importance_sampling_correction=False (the sampling log-probs come with "
+                   "use_vllm, whose default sequence_mask correction at 3 also multiplies every "
+                   "term by the sequence's ratio); slime "
                    "off-policy sequence mask")
 def grpo_opsm() -> Estimator:
     """GRPO with off-policy sequence masking, δ = 0.5 against ``μ``: negative-advantage
@@ -161,17 +166,20 @@ def ctpo() -> Estimator:
 _RS_ALIASES = ("verl algorithm.rollout_correction.rollout_rs={option}, rollout_rs_threshold="
                "'0.5_2.0' (the band of its decoupled_seq_is_rs preset and of its multi-criteria "
                "example, here without IS weights; rejected tokens leave response_mask, so they "
-               "leave the normalizers and the KL term); RejectionSampling.from_verl reads any "
-               "other option")
+               "leave the normalizers and the KL term{note}); RejectionSampling.from_verl "
+               "reads any other option")
 _variant("grpo", "rs_token", "verl's token rejection mask: tokens whose μ/π_old leaves [0.5, 2] "
          "are dropped, the others keep factor 1 (no IS weight)",
-         _RS_ALIASES.format(option="token_k1"),
+         _RS_ALIASES.format(option="token_k1", note=""),
          formula="; each token's terms × 1[0.5 ≤ μ/π_old ≤ 2] (rejects leave the normalizer "
                  "and the loss)",
          correction=RejectionSampling.from_verl("token_k1", "0.5_2.0"))
 _variant("grpo", "rs_seq", "verl's sequence rejection mask: sequences whose product of μ/π_old "
          "leaves [0.5, 2] are dropped, the others keep factor 1 (no IS weight)",
-         _RS_ALIASES.format(option="seq_sum_k1"),
+         _RS_ALIASES.format(
+             option="seq_sum_k1", note="; the sequence count S is the whole mini-batch, as "
+             "verl's newer engine passes it; agg_loss's own default counts only the sequences "
+             "that keep a token"),
          formula="; each sequence's terms × 1[0.5 ≤ Π_t μ/π_old ≤ 2] (rejects leave the "
                  "normalizer and the loss)",
          correction=RejectionSampling.from_verl("seq_sum_k1", "0.5_2.0"))
