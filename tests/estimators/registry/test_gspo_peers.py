@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.estimators.estimator_helpers import make_batch, response_values
-from tests.estimators.registry.padded import padded
+from tests.estimators.registry.padded import padded, peer_world
 from tokenmdp import estimators
 from tokenmdp.estimators import loss, prepare
 
@@ -33,13 +32,7 @@ LOG_W = [[0.5, -0.8, 1.9], [0.1, 0.3], [-1.0, 0.2, 0.7, 2.0], [0.05]]   # log π
 
 def _world():
     old = [[-0.3 - 0.1 * t for t in range(len(r))] for r in LOG_R]
-    behavior = [[o - w for o, w in zip(os_, ws, strict=True)]
-                for os_, ws in zip(old, LOG_W, strict=True)]
-    batch = make_batch([[9]] * 4, [[1 + i] * len(r) for i, r in enumerate(LOG_R)],
-                       rewards=[1.0, 0.0, 0.5, 0.2], groups=[0, 0, 1, 1], old=old,
-                       behavior=behavior, ref=old)
-    lp = (batch.old_logprob + response_values(batch, LOG_R)).requires_grad_(True)
-    return batch, lp
+    return peer_world(LOG_R, LOG_W, old, old, [1.0, 0.0, 0.5, 0.2], [0, 0, 1, 1])
 
 
 def _padded(batch, values_RC):

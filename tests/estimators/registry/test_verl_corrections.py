@@ -37,8 +37,7 @@ import math
 import pytest
 import torch
 
-from tests.estimators.estimator_helpers import make_batch, response_values
-from tests.estimators.registry.padded import padded
+from tests.estimators.registry.padded import padded, peer_world
 from tokenmdp import estimators
 from tokenmdp.estimators import SelfNormalizedIS, loss, prepare
 
@@ -56,13 +55,7 @@ def _world():
     g = torch.Generator().manual_seed(5)
     old = [(-0.2 - torch.rand(len(r), generator=g, dtype=torch.float64)).tolist() for r in LOG_R]
     ref = [(-0.3 - torch.rand(len(r), generator=g, dtype=torch.float64)).tolist() for r in LOG_R]
-    behavior = [[o - w for o, w in zip(os_, ws, strict=True)]
-                for os_, ws in zip(old, LOG_W, strict=True)]
-    batch = make_batch([[9]] * B, [[1 + i] * len(r) for i, r in enumerate(LOG_R)],
-                       rewards=[1.0, 0.0, 0.3, 0.9], groups=[0, 0, 1, 1], old=old,
-                       behavior=behavior, ref=ref)
-    lp = (batch.old_logprob + response_values(batch, LOG_R)).requires_grad_(True)
-    return batch, lp
+    return peer_world(LOG_R, LOG_W, old, ref, [1.0, 0.0, 0.3, 0.9], [0, 0, 1, 1])
 
 
 def _padded(batch, values_RC):
