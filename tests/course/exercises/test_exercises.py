@@ -169,8 +169,34 @@ def test_plausible_wrong_answers_raise_naming_the_quantity(name):
             tokenmdp.check(name, wrong)
         message = str(info.value)
         assert name in message and exercise.quantity in message, label
-        assert f"expected {want:.10g}" in message and f"got {wrong:.10g}" in message, label
-        assert "Hint:" in message, label
+        assert f"got {wrong:.10g}" in message and "Hint:" in message, label
+        assert "Your value" in message or "The answer is" in message, label      # what is wrong
+        for digits in (3, 4, 6, 10):      # never the answer (issue 30): typing it in would pass
+            assert f"{want:.{digits}g}" not in message.replace(f"{wrong:.10g}", ""), (label, digits)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+def test_teacher_mode_shows_the_answer(name, monkeypatch):
+    monkeypatch.setenv(exercises.SHOW_ANSWERS_ENV, "1")
+    want = exercises.expected(name)
+    wrong = next(iter(WRONG[name]().values()))
+    with pytest.raises(AssertionError, match="teacher mode") as info:
+        tokenmdp.check(name, wrong)
+    assert f"{want:.10g}" in str(info.value)
+
+
+@pytest.mark.parametrize(("given", "want", "words"), [
+    (float("nan"), 0.3, "not a finite number"), (-0.3, 0.3, "wrong sign"),
+    (0.6, 0.3, "factor 2"), (0.7, 0.3, "complement"), (0.2, 0.0, "answer is zero"),
+    (0.0, 0.3, "not zero"), (-1.0, 0.3, "wrong sign (and another size)"),
+    (30.0, 0.3, "about 10^2 times too large"), (0.0031, 0.3, "about 10^2 times too small"),
+    (1.0, 0.3, "3 to 10 times too large"), (0.302, 0.3, "within 1%"),
+    (0.32, 0.3, "within 10%"), (0.45, 0.3, "more than 10% off"),
+])
+def test_the_diagnosis_says_what_is_wrong_without_the_answer(given, want, words):
+    from tokenmdp.course.exercises.registry import _diagnosis
+    message = _diagnosis(given, want, 1e-9)
+    assert words in message and "0.3" not in message.replace(repr(given), "")
 
 
 def test_the_first_order_gap_is_also_the_paths_gap():
@@ -254,3 +280,14 @@ def test_check_is_exported_lazily():
     subprocess.run([sys.executable, "-c", code], check=True)
     with pytest.raises(AttributeError, match="no_such_name"):
         tokenmdp.no_such_name  # noqa: B018
+
+
+def test_no_hint_is_the_solution_call():
+    """Issue 30: a hint names the idea; one that spells out the package call (``moments(...)
+    .cosine``, ``sample(...)``) is the solution."""
+    import re
+    calls = re.compile(r"\b(moments|sample|gradient|objective|kl_penalty_moments|kl_gradients|"
+                       r"chi_square|prepare|loss|train_exact|ppo_clip_fraction|state_visitation|"
+                       r"state_logprobs)\(")
+    for name in exercises.names():
+        assert not calls.search(exercises.get(name).hint), (name, exercises.get(name).hint)

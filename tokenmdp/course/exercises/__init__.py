@@ -22,8 +22,19 @@ the package's ``tokenmdp.check`` (loaded on first use) and the tutorials.
 # importing a tutorial's module registers its exercises; tutorial 6's come first in names()
 from tokenmdp.course.exercises import t06  # noqa: F401, I001
 from tokenmdp.course.exercises import t01_05, t07, t08, t09, t10  # noqa: F401
-from tokenmdp.course.exercises.registry import Exercise, check, expected, get, names
+from tokenmdp.course.exercises.registry import (
+    SHOW_ANSWERS_ENV,
+    Exercise,
+    Unsolved,
+    UnsolvedError,
+    check,
+    expected,
+    get,
+    names,
+    unsolved,
+)
 from tokenmdp.course.exercises.t06 import tr06_estimator
 from tokenmdp.course.exercises.t10 import tr10_prorl
 
-__all__ = ["Exercise", "check", "expected", "get", "names", "tr06_estimator", "tr10_prorl"]
+__all__ = ["SHOW_ANSWERS_ENV", "Exercise", "Unsolved", "UnsolvedError", "check", "expected", "get",
+           "names", "tr06_estimator", "tr10_prorl", "unsolved"]

@@ -4,8 +4,11 @@ Each exercise has a fixed setup (the course's MDP of :func:`tokenmdp.course.setu
 policy step, an estimator), and its expected value is *computed* by the package from that setup
 when it is first checked — an exact ``J``, a first-order gap, a clip fraction — never written
 down. :func:`check` compares an answer with it under the exercise's named tolerance and raises
-an ``AssertionError`` naming the quantity, the expected and the given value, with a short hint
-(and a note when the answer is off by a sign or a factor 2).
+an ``AssertionError`` naming the quantity and the given value and saying *what* is wrong — a
+sign, a factor 2, the complement of a share, the order of magnitude or a coarse relative error —
+with a short hint, never the answer itself: typing in a printed answer would pass every check
+unsolved. A teacher sets ``TOKENMDP_SHOW_ANSWERS=1`` (:data:`SHOW_ANSWERS_ENV`) to see the
+exact values in the messages.
 
 >>> from tokenmdp import exercises
 >>> exercises.names()[:1]
@@ -19,9 +22,14 @@ import difflib
 import functools
 import math
 import numbers
+import os
 from collections.abc import Callable
 
-__all__ = ["Exercise", "check", "expected", "get", "names"]
+__all__ = ["SHOW_ANSWERS_ENV", "Exercise", "Unsolved", "UnsolvedError", "check", "expected", "get",
+           "names", "unsolved"]
+
+SHOW_ANSWERS_ENV = "TOKENMDP_SHOW_ANSWERS"
+"""Environment variable: ``1`` (teacher mode) adds the exact answer to a failed check's message."""
 
 #: Two exact float64 computations of one quantity by different routes (sums in another order).
 EXACT_TOL = 1e-10
@@ -123,8 +131,79 @@ def expected(name: str) -> float:
     return float(get(name).compute())
 
 
+class UnsolvedError(RuntimeError):
+    """A cell used an exercise's answer that is still the student edition's stub."""
+
+
+class Unsolved:
+    """The student edition's stub of an exercise's answer (:func:`unsolved`).
+
+    :func:`check` reports it as a wrong answer with the exercise's hint; any other use — a
+    comparison, arithmetic, ``float()``, an attribute, an index, a call — raises
+    :class:`UnsolvedError` naming the exercise to solve first, instead of an empty
+    ``AssertionError`` or a NaN carried through a later cell.
+
+    Parameters
+    ----------
+    exercise : str
+        The exercise whose solution defines the name.
+    name : str
+        The variable the stub stands for.
+    """
+
+    __slots__ = ("exercise", "name")
+
+    def __init__(self, exercise: str, name: str) -> None:
+        object.__setattr__(self, "exercise", exercise)
+        object.__setattr__(self, "name", name)
+
+    def _refuse(self, *_args, **_kwargs):
+        raise UnsolvedError(f"{self.name} is still the stub of exercise {self.exercise}: "
+                            f"solve that exercise first (its Solution cell above), then run "
+                            f"this cell again")
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("_"):   # Python's and IPython's probes: no such attribute
+            raise AttributeError(attribute)
+        self._refuse()
+
+    def __repr__(self) -> str:
+        return f"<unsolved: {self.name} of exercise {self.exercise}>"
+
+    __setattr__ = __call__ = __getitem__ = __iter__ = __len__ = __contains__ = _refuse
+    __bool__ = __float__ = __int__ = __index__ = __complex__ = __round__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _refuse
+    __neg__ = __pos__ = __abs__ = __add__ = __radd__ = __sub__ = __rsub__ = _refuse
+    __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __pow__ = __rpow__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __matmul__ = __rmatmul__ = _refuse
+    __format__ = __array__ = _refuse
+    __hash__ = None
+
+
+def unsolved(exercise: str, name: str = "answer") -> Unsolved:
+    """The stub a student edition assigns to ``name``, whose solution is exercise ``exercise``.
+
+    Parameters
+    ----------
+    exercise : str
+        The exercise (:func:`names`).
+    name : str, default "answer"
+        The variable, for the message.
+
+    Returns
+    -------
+    Unsolved
+        Refused by :func:`check` (a wrong answer, with the hint) and by every other use
+        (:class:`UnsolvedError` naming the exercise).
+    """
+    return Unsolved(exercise, name)
+
+
 def _as_number(value) -> float:
-    """``value`` as a float: a real number, a NumPy scalar or a one-element tensor/array."""
+    """``value`` as a float: a real number, a NumPy scalar or a one-element tensor/array (a
+    student edition's :class:`Unsolved` stub: NaN, a wrong answer)."""
+    if isinstance(value, Unsolved):
+        return math.nan
     if isinstance(value, bool) or value is None or isinstance(value, str):
         raise TypeError(f"value: expected a number, got {type(value).__name__} {value!r}")
     if isinstance(value, numbers.Real):
@@ -146,14 +225,34 @@ def _near(a: float, b: float, tol: float) -> bool:
 
 
 def _diagnosis(given: float, want: float, tol: float) -> str:
-    """A note for the common slips: a flipped sign, a factor 2, the complement of a share."""
+    """What is wrong with ``given``, in words that do not give ``want`` away: a common slip (a
+    flipped sign, a factor 2, the complement of a share), else the sign, the order of magnitude
+    or a coarse band of the relative error (no direction inside a factor 3, so that the message
+    cannot be followed to the answer)."""
+    if not math.isfinite(given):
+        return (" Your value is not a finite number (if it is the student edition's stub, "
+                "replace it by your solution).")
     if want != 0 and _near(given, -want, tol):
         return " Your value has the right size and the wrong sign."
     if want != 0 and (_near(given, 2 * want, tol) or _near(2 * given, want, tol)):
         return " Your value is off by a factor 2."
     if 0 <= want <= 1 and _near(given, 1 - want, tol):
         return " Your value is the complement (1 − p) of the answer."
-    return ""
+    if abs(want) <= tol:
+        return " The answer is zero to within the tolerance."
+    if given == 0:
+        return " The answer is not zero."
+    if (given > 0) != (want > 0):
+        return " Your value has the wrong sign (and another size)."
+    ratio = abs(given / want)
+    if ratio >= 3 or ratio <= 1 / 3:
+        power = abs(math.log10(ratio))
+        size = f"about 10^{round(power)} times" if power >= 1 else "3 to 10 times"
+        return f" Your value is {size} too {'large' if ratio > 1 else 'small'}."
+    error = abs(ratio - 1)
+    band = ("within 1%" if error <= 0.01 else "within 10%" if error <= 0.1
+            else "the right order of magnitude, but more than 10% off")
+    return f" Your value is {band} of the answer."
 
 
 def check(name: str, value) -> None:
@@ -169,8 +268,10 @@ def check(name: str, value) -> None:
     Raises
     ------
     AssertionError
-        When ``|value − expected| > tolerance``: the message names the quantity, the expected
-        and the given value, the tolerance and a hint.
+        When ``|value − expected| > tolerance``: the message names the quantity, the given value,
+        the tolerance, what is wrong (a sign, a factor, the order of magnitude, a coarse relative
+        error) and a hint; the expected value only in teacher mode
+        (``TOKENMDP_SHOW_ANSWERS=1``).
     ValueError
         An unknown ``name`` (with a "did you mean").
     TypeError
@@ -183,8 +284,9 @@ def check(name: str, value) -> None:
         print(f"{name}: right — {exercise.quantity} = {want:.10g} "
               f"(yours {given:.10g}, within {exercise.tolerance_name} = {exercise.tolerance:g})")
         return
+    answer = (f" Answer (teacher mode, {SHOW_ANSWERS_ENV}=1): {want:.10g}."
+              if os.environ.get(SHOW_ANSWERS_ENV, "") == "1" else "")
     raise AssertionError(
-        f"{name}: not yet. {exercise.quantity}: expected {want:.10g}, got {given:.10g} "
-        f"(difference {given - want:+.3g}, tolerance {exercise.tolerance_name} = "
-        f"{exercise.tolerance:g}).{_diagnosis(given, want, exercise.tolerance)} "
-        f"Hint: {exercise.hint}")
+        f"{name}: not yet. {exercise.quantity}: got {given:.10g} (tolerance "
+        f"{exercise.tolerance_name} = {exercise.tolerance:g})."
+        f"{_diagnosis(given, want, exercise.tolerance)} Hint: {exercise.hint}{answer}")

@@ -78,8 +78,8 @@ def tr06_estimator(surrogate_part: Surrogate) -> Estimator:
                     "π_old, data from π_old (tutorial 6, exercise 3)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
            hint="Almost every sequence ratio s_i has left the band; the sequences whose gradient "
-                "survives are those that moved against their advantage. Compute "
-                "moments(..., behavior=π_old).cosine with the GSPO surrogate.")
+                "survives are those that moved against their advantage. The cosine is of the "
+                "*expected* gradient over every batch drawn from π_old, not of one batch.")
 def _tr06_gspo_cosine() -> float:
     mdp, pi, old = _tr06_pair(TR06_STALE_STEP)
     gspo = GSPO(eps_low=TR06_GSPO_EPS_LOW, eps_high=TR06_GSPO_EPS_HIGH)

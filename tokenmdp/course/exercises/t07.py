@@ -86,9 +86,9 @@ def _tr07_token_chi2() -> float:
                     "estimator (token TIS at 5), G = 2, μ = π_old + N(0, 0.4²) logit noise "
                     "(tutorial 7, exercise 2)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
-           hint="Compute moments(...).mean twice with the registry's minirl estimator at "
-                "π_θ = π_old: once with behavior=μ, old=π_old, once with behavior=π_old; divide "
-                "the norm of the difference by the norm of the second.")
+           hint="The bias is what sampling from μ instead of π_old does to the expected "
+                "gradient at π_θ = π_old: compare the estimator's mean under the engine with "
+                "its mean under the trainer's own policy, relative to the latter's length.")
 def _tr07_minirl_bias() -> float:
     mdp, old, mu = tr07_engine()
     return tr07_relative_deviation(mdp, old, mu, get("minirl"))

@@ -70,9 +70,9 @@ def _relative_distance(a, b) -> float:
            quantity="‖E[∇ of β·k3 in the loss]/β − ∇KL(π‖π_ref)‖ / ‖∇KL(π‖π_ref)‖ on "
                     "kl_world(3)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
-           hint="kl_penalty_moments(mdp, π, π_ref, KLPenalty(coef=β, in_reward=False, "
-                "estimator=kl_k3)).mean is the ascent direction −β E[∇k3]; compare −mean/β with "
-                "kl_gradients(mdp, π, π_ref).reverse.")
+           hint="The penalty alone has an exact expected gradient, β E[∇k3]; the target is the "
+                "gradient of the reverse KL(π ‖ π_ref) over whole responses. Mind the sign: the "
+                "lab reports ascent directions.")
 def _tr08_k3_loss_relative_bias() -> float:
     from tokenmdp.exact.analysis.kl_gradients import kl_gradients, kl_penalty_moments
 
@@ -86,8 +86,9 @@ def _tr08_k3_loss_relative_bias() -> float:
            quantity="‖E_μ[ĝ] of importance-weighted k3 in the loss − E_π[ĝ] of k3 in the loss‖ "
                     "/ ‖E_π[ĝ]‖ on kl_world(3)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
-           hint="Both are kl_penalty_moments(...).mean: the first with "
-                "KLPenalty(..., importance_weighted=True) and behavior=μ, the second on-policy.")
+           hint="Off-policy, the per-token weight π/μ repairs which action is taken at a state, "
+                "not how often μ visits the state: compare the weighted penalty's expected "
+                "gradient under μ with the unweighted one on-policy.")
 def _tr08_is_k3_off_policy_gap() -> float:
     from tokenmdp.exact.analysis.kl_gradients import kl_penalty_moments
 

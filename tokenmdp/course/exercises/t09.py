@@ -54,8 +54,9 @@ def _tr09_kl_per_token() -> float:
 @_exercise("tr09_r3_target_shift",
            quantity="‖∇J(π_old under R3) − ∇J(π_old)‖ / ‖∇J(π_old)‖ at the first mini-batch",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
-           hint="gradient(mdp, world.policy(world.old, 'r3')) is the gradient of the replayed "
-                "policy; compare it with gradient(mdp, world.old) (the freely routed policy).")
+           hint="R3 replaces the policy whose gradient is followed by the one routed as the "
+                "engine routed: the shift is between the true gradients of the replayed and the "
+                "freely routed policies, relative to the latter.")
 def _tr09_r3_target_shift() -> float:
     from tokenmdp.exact import gradient
 

@@ -66,9 +66,9 @@ def tr10_prorl(*, eps_high: float = TR10_EPS_HIGH, beta: float | None = TR10_BET
                     "two groups of G = 4 responses drawn with the seed 10 (tutorial 10, "
                     "exercise 1)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
-           hint="sample(mdp, π_0, 8, generator=torch.Generator().manual_seed(10), group_size=4), "
-                "set old_logprob, prepare with the rloo estimator, ĝ = −∇ of its loss, "
-                "θ ← θ + 1.0 · ĝ, then objective(mdp, π_1).")
+           hint="One step of plain gradient ascent on one sampled batch: ĝ is minus the gradient "
+                "of RLOO's loss on exactly the exercise's two groups (its seed), and J is the "
+                "exact objective of the updated policy, not a sampled return.")
 def _tr10_one_update_J() -> float:
     mdp, pi0 = copy_task()
     run = train_exact(mdp, pi0, get_estimator("rloo"), updates=1, group_size=TR10_GROUP_SIZE,
@@ -107,9 +107,10 @@ def tr10_stale_pair():
                     "length 1 from π_old = π_ref = π_0, data from π_old, G = 4 (tutorial 10, "
                     "exercise 3)",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
-           hint="moments(mdp, π_θ, prorl, group_size=4, behavior=π_old, reference=π_old, "
-                "filter_groups=True).cosine, with prorl's band [0.8, 1.4], GRPO's advantage, the "
-                "token mean and β = 0.04 k3 in the loss.")
+           hint="Dynamic sampling conditions on the kept groups, so the expectation is over "
+                "those only; the cosine compares that expected gradient with the true one at "
+                "π_θ. The composition is GRPO's advantage with a clip-higher band, the token "
+                "mean and a k3 penalty in the loss.")
 def _tr10_prorl_stale_cosine() -> float:
     mdp, pi, old = tr10_stale_pair()
     return moments(mdp, pi, tr10_prorl(), group_size=TR10_GROUP_SIZE, behavior=old,
