@@ -7,11 +7,10 @@ The full editions are the tutorials themselves (checked here to be byte-identica
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from tokenmdp import cli
+from tokenmdp.course.exercises import Unsolved, UnsolvedError
 from tokenmdp.course.student_editions import (
     STUB_VALUE,
     find_tutorials,
@@ -64,7 +63,10 @@ def test_a_student_edition_keeps_the_exercise_convention_and_leaks_no_solution(p
         stub = student.cells[index - 1].source
         assert stub != full.cells[index - 1].source
         code = [line for line in stub.splitlines() if line and not line.startswith("#")]
-        assert code == [f"{variable} = {STUB_VALUE}" for _, variable in calls]
+        assert code[0].startswith("from tokenmdp.course.exercises") and "import unsolved" in code[0]
+        assert code[1:1 + len(calls)] == [f"{variable} = {STUB_VALUE}{exercise!r}, {variable!r})"
+                                          for exercise, variable in calls]
+        assert all(STUB_VALUE in line for line in code[1:])          # the later names too
 
 
 def _stubbed_exercises(path):
@@ -84,12 +86,14 @@ def test_the_checks_fail_on_the_stubs(path):
         namespace = {}
         exec("import tokenmdp", namespace)
         exec(stub, namespace)
-        for _, variable in calls:
-            assert math.isnan(namespace[variable])
+        for exercise, variable in calls:
+            assert isinstance(namespace[variable], Unsolved)
+            assert namespace[variable].exercise == exercise
         with pytest.raises(AssertionError) as info:
             exec(check, namespace)
         message = str(info.value)
         assert calls[0][0] in message and "Hint:" in message and "got nan" in message
+        assert "stub" in message
 
 
 def test_the_stub_names_what_later_cells_use():
@@ -97,7 +101,8 @@ def test_the_stub_names_what_later_cells_use():
             "# %%\n# Check\ntokenmdp.check(\"tr99_x\", answer)\n\n# %%\nprint(helper)\n")
     student = student_edition(text)
     assert "# Later cells also use: helper (define them here too).\n" in student
-    assert f"answer = {STUB_VALUE}\n\n# %%\n# Check" in student
+    assert ("answer = unsolved('tr99_x', 'answer')\nhelper = unsolved('tr99_x', 'helper')\n\n"
+            "# %%\n# Check") in student
     assert "temp" not in student and student.startswith("# %%\nx = 1\n\n")
 
 
@@ -164,3 +169,20 @@ def test_cli_refuses_a_file_as_out_dir_and_an_empty_source(tmp_path, capsys):
         with pytest.raises(SystemExit) as err:
             cli.main(argv)
         assert err.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_a_later_cell_using_a_stubbed_answer_names_the_exercise_to_solve_first():
+    """Issue 30: tutorial 6's GSPO cell asserts on exercise 3's answer; in the student edition it
+    stops with "solve exercise tr06_gspo_cosine first", not an empty AssertionError."""
+    path = next(p for p in SOURCES if p.name.startswith("06_"))
+    cells = split_cells(student_edition(path.read_text(encoding="utf-8")))
+    stub = next(c for c in cells if "gspo_cosine = unsolved(" in c)
+    namespace = {}
+    exec(stub.split("\n", 1)[1], namespace)
+    with pytest.raises(UnsolvedError, match="tr06_gspo_cosine.*solve that exercise first"):
+        exec("assert abs(0.5 - gspo_cosine) < 3 * 0.1", namespace)
+    for use in ("float(gspo_cosine)", "gspo_cosine * 2", "gspo_cosine.item()", "-gspo_cosine",
+                "gspo_cosine < 1", "bool(gspo_cosine)", "f'{gspo_cosine:.3f}'"):
+        with pytest.raises(UnsolvedError):
+            exec(use, namespace)
+    assert "unsolved" in repr(namespace["gspo_cosine"])

@@ -6,10 +6,12 @@ first line is ``# Check`` holding ``tokenmdp.check("<exercise>", <variable>)`` c
 ``tests/course/test_tutorials.py``). :func:`student_edition` rewrites one script at the text level:
 
 * a solution cell keeps its cell marker and its ``# Solution`` line; its code is replaced by a
-  comment and one line ``<variable> = float("nan")`` per variable that its check cell checks, so
-  the check cell runs and fails with the exercise's hint (``tokenmdp.check`` calls a NaN a wrong
-  answer) until the student writes the solution; the names a solution also defines for later
-  cells are listed in the comment;
+  comment and one line ``<variable> = unsolved("<exercise>", "<variable>")`` per variable that
+  its check cell checks (:func:`tokenmdp.course.exercises.unsolved`), so the check cell runs and
+  fails with the exercise's hint until the student writes the solution; the names a solution
+  also defines for later cells are listed in the comment and stubbed the same way, so that a
+  later cell using any of them stops with "solve exercise ... first" rather than an empty
+  ``AssertionError`` or a ``NameError``;
 * every other cell, and the header, is kept byte for byte.
 
 :func:`write_editions` writes the student and the full edition of every tutorial side by side
@@ -28,8 +30,10 @@ __all__ = ["find_tutorials", "read_tutorial", "split_cells", "student_edition", 
 SOLUTION, CHECK = "# Solution", "# Check"
 #: A cell marker of the percent format (``# %%``, ``# %% [markdown]``, ``# %% tags``, ...).
 _MARKER = re.compile(r"^# %%(?![%])")
-#: What a stub assigns: ``tokenmdp.check`` reports a NaN as a wrong answer, with the hint.
-STUB_VALUE = 'float("nan")'
+#: What a stub assigns: ``unsolved(exercise, name)``, a wrong answer to ``tokenmdp.check`` (with
+#: the hint) that names the exercise when any other cell uses it.
+STUB_VALUE = "unsolved("
+_STUB_IMPORT = "from tokenmdp.course.exercises.registry import unsolved"
 
 
 def split_cells(text: str) -> list[str]:
@@ -74,16 +78,19 @@ def _first_line(code: str) -> str:
     return lines[0].strip() if lines else ""
 
 
-def _checked_variables(code: str) -> list[str]:
-    """The variables of the ``tokenmdp.check("name", variable)`` calls of a check cell."""
-    names = []
+def _checked_variables(code: str) -> dict[str, str]:
+    """``{variable: exercise}`` of the ``tokenmdp.check("name", variable)`` calls of a check
+    cell, in order."""
+    names: dict[str, str] = {}
     for node in ast.walk(ast.parse(code)):
         if (isinstance(node, ast.Call) and ast.unparse(node.func) == "tokenmdp.check"
                 and len(node.args) == 2 and isinstance(node.args[1], ast.Name)):
-            names.append(node.args[1].id)
+            first = node.args[0]
+            exercise = first.value if isinstance(first, ast.Constant) else ast.unparse(first)
+            names.setdefault(node.args[1].id, str(exercise))
     if not names:
         raise ValueError("a check cell without tokenmdp.check(\"name\", variable) calls")
-    return list(dict.fromkeys(names))
+    return names
 
 
 def _assigned(code: str) -> set[str]:
@@ -104,13 +111,16 @@ def _loaded(codes: list[str]) -> set[str]:
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
 
 
-def _stub(checked: list[str], also: list[str]) -> str:
+def _stub(checked: dict[str, str], also: list[str]) -> str:
     lines = [SOLUTION,
              "# Your solution here: the exercise is described above, the next cell checks it.",
-             "# Replace each NaN below by your answer (computed in code, not typed in)."]
+             "# Replace each unsolved(...) below by your answer (computed in code, not typed in)."]
     if also:
         lines.append(f"# Later cells also use: {', '.join(also)} (define them here too).")
-    lines += [f"{name} = {STUB_VALUE}" for name in checked]
+    exercise = next(iter(checked.values()))
+    lines.append(_STUB_IMPORT)
+    lines += [f"{name} = {STUB_VALUE}{ex!r}, {name!r})" for name, ex in checked.items()]
+    lines += [f"{name} = {STUB_VALUE}{exercise!r}, {name!r})" for name in also]
     return "\n".join(lines)
 
 
