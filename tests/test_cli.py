@@ -42,6 +42,28 @@ def test_exact_and_estimators_commands_print(capsys):
     assert "minirl" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("columns, width", [("60", 80), ("100", 100), ("300", 120)])
+def test_the_estimators_table_fits_the_terminal(columns, width, capsys, monkeypatch):
+    """Issue 30: 80 to 120 columns (the terminal's, clamped), every entry one line with its
+    aggregation; the card and ``--wide`` hold the rest."""
+    from tokenmdp import estimators
+    monkeypatch.setenv("COLUMNS", columns)
+    assert main(["estimators"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) == width
+    for name in estimators.names():
+        row = next(line for line in lines if line.split(" ", 1)[0] == name)
+        assert estimators.get(name).aggregation.value in row
+    assert main(["estimators", "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert max(len(line) for line in wide.splitlines()) > 200 and "surrogate" in wide
+    with pytest.raises(SystemExit) as err:
+        main(["estimators", "grpo", "--wide"])
+    assert err.value.code == 2 and "--wide" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="width"):
+        estimators.format_table(width=10)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["compare", "--estimators", "grpoo"], "unknown estimator"),
     (["compare", "--group-size", "0"], "--group-size"),

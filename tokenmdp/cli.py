@@ -232,8 +232,19 @@ def cmd_estimators(args: argparse.Namespace) -> int:
     from tokenmdp import estimators
 
     if args.name is None:
-        print(estimators.format_table())
+        import shutil
+
+        from tokenmdp.estimators.registry.lookup import TABLE_WIDTHS
+        low, high = TABLE_WIDTHS
+        width = min(max(shutil.get_terminal_size((100, 24)).columns, low), high)
+        print(estimators.format_table(width=width, wide=args.wide))
+        if not args.wide:
+            print(f"\n{len(estimators.names())} estimators. `tokenmdp estimators NAME`: one's "
+                  "card (formula, parts, paper,\nother names, exact figures); --wide: every "
+                  "part in its own column.")
         return 0
+    if args.wide:
+        raise ValueError("--wide: lists the table; with a NAME the card is already complete")
     estimators.describe(args.name)  # an unknown name fails here, with the registry's hint
     from tokenmdp.reports.cards import card_text, reference_rows
 
@@ -306,6 +317,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default=None,
                    help="an estimator's registry name: print its card (formula, paper, "
                         "components, other names, exact figures on the reference MDP)")
+    p.add_argument("--wide", action="store_true",
+                   help="one column per part (surrogate, advantage, correction, aggregation, "
+                        "KL) and the paper, however wide")
     p.set_defaults(func=cmd_estimators)
     p = sub.add_parser("exact", help=cmd_exact.__doc__, description=cmd_exact.__doc__,
                        formatter_class=shown)

@@ -18,7 +18,7 @@ from tokenmdp.estimators.estimator import Estimator
 from tokenmdp.estimators.registry import baselines, classic, zoo  # noqa: F401  (registers the entries)
 from tokenmdp.estimators.registry.entry import _ENTRIES, Entry
 
-__all__ = ["describe", "format_table", "get", "names", "resolve"]
+__all__ = ["TABLE_WIDTHS", "describe", "format_table", "get", "names", "resolve"]
 
 
 def names() -> tuple[str, ...]:
@@ -75,22 +75,57 @@ def describe(name: str) -> str:
     return _entry(name).build.__doc__ or ""
 
 
-def format_table() -> str:
+#: The widths ``tokenmdp estimators`` fits its table to (a terminal's columns, clamped).
+TABLE_WIDTHS = (80, 120)
+
+
+def _summary(entry: Entry) -> str:
+    """The first sentence of an entry's builder docstring, on one line, markup dropped."""
+    text = " ".join((entry.build.__doc__ or entry.formula).split()).replace("``", "")
+    head, dot, _ = text.partition(". ")
+    return head + ("." if dot or text.endswith(".") else "") if head else text
+
+
+def _fit(cell: str, width: int) -> str:
+    return cell if len(cell) <= width else cell[:max(width - 1, 0)].rstrip() + "…"
+
+
+def format_table(*, width: int = 100, wide: bool = False) -> str:
     """Every registered estimator as a plain-text table (for ``tokenmdp estimators``).
+
+    Parameters
+    ----------
+    width : int, default 100
+        The line width to fit (``tokenmdp estimators`` passes the terminal's, clamped to
+        :data:`TABLE_WIDTHS`): each line is the name, the aggregation and a one-line summary,
+        cut with "…" where it would not fit; ``tokenmdp estimators NAME`` prints the whole card.
+    wide : bool, default False
+        Instead one column per part (surrogate, advantage, correction, aggregation, KL) and the
+        paper, however wide (``tokenmdp estimators --wide``).
 
     Returns
     -------
     str
-        One line per estimator (name, its five parts, paper) under a header and a rule.
+        One line per estimator under a header and a rule.
     """
-    header = ("name", "surrogate", "advantage", "correction", "aggregation", "KL", "paper")
-    rows = [header]
-    for entry in _ENTRIES.values():
-        est = entry.build()
-        rows.append((entry.name, est.surrogate.describe(), est.advantage.describe(),
-                     est.correction.describe(), est.aggregation.value,
-                     est.kl.describe() if est.kl is not None else "none", entry.paper))
+    if isinstance(width, bool) or not isinstance(width, int) or width < 40:
+        raise ValueError(f"width: expected an int >= 40, got {width!r}")
+    if wide:
+        header = ("name", "surrogate", "advantage", "correction", "aggregation", "KL", "paper")
+        rows = [header]
+        for entry in _ENTRIES.values():
+            est = entry.build()
+            rows.append((entry.name, est.surrogate.describe(), est.advantage.describe(),
+                         est.correction.describe(), est.aggregation.value,
+                         est.kl.describe() if est.kl is not None else "none", entry.paper))
+    else:
+        header = ("name", "aggregation", "what it is")
+        rows = [header] + [(e.name, e.build().aggregation.value, _summary(e))
+                           for e in _ENTRIES.values()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    if not wide:
+        widths[-1] = max(width - sum(widths[:-1]) - 2 * (len(widths) - 1), 10)
+        rows = [(*row[:-1], _fit(row[-1], widths[-1])) for row in rows]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
