@@ -232,16 +232,7 @@ def cmd_estimators(args: argparse.Namespace) -> int:
     from tokenmdp import estimators
 
     if args.name is None:
-        import shutil
-
-        from tokenmdp.estimators.registry.lookup import TABLE_WIDTHS
-        low, high = TABLE_WIDTHS
-        width = min(max(shutil.get_terminal_size((100, 24)).columns, low), high)
-        print(estimators.format_table(width=width, wide=args.wide))
-        if not args.wide:
-            print(f"\n{len(estimators.names())} estimators. `tokenmdp estimators NAME`: one's "
-                  "card (formula, parts, paper,\nother names, exact figures); --wide: every "
-                  "part in its own column.")
+        print(estimators.format_table(wide=args.wide))
         return 0
     if args.wide:
         raise ValueError("--wide: lists the table; with a NAME the card is already complete")

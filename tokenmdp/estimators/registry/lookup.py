@@ -13,6 +13,7 @@ PPOClip(eps_low=0.2, eps_high=0.28, dual_clip=None)
 from __future__ import annotations
 
 import difflib
+import shutil
 
 from tokenmdp.estimators.estimator import Estimator
 from tokenmdp.estimators.registry import baselines, classic, zoo  # noqa: F401  (registers the entries)
@@ -90,15 +91,16 @@ def _fit(cell: str, width: int) -> str:
     return cell if len(cell) <= width else cell[:max(width - 1, 0)].rstrip() + "…"
 
 
-def format_table(*, width: int = 100, wide: bool = False) -> str:
+def format_table(*, width: int | None = None, wide: bool = False) -> str:
     """Every registered estimator as a plain-text table (for ``tokenmdp estimators``).
 
     Parameters
     ----------
-    width : int, default 100
-        The line width to fit (``tokenmdp estimators`` passes the terminal's, clamped to
+    width : int, optional
+        The line width to fit (default: the terminal's, 100 when there is none, clamped to
         :data:`TABLE_WIDTHS`): each line is the name, the aggregation and a one-line summary,
-        cut with "…" where it would not fit; ``tokenmdp estimators NAME`` prints the whole card.
+        cut with "…" where it would not fit, and a last line says where the rest is
+        (``tokenmdp estimators NAME`` prints the whole card).
     wide : bool, default False
         Instead one column per part (surrogate, advantage, correction, aggregation, KL) and the
         paper, however wide (``tokenmdp estimators --wide``).
@@ -108,6 +110,9 @@ def format_table(*, width: int = 100, wide: bool = False) -> str:
     str
         One line per estimator under a header and a rule.
     """
+    if width is None:
+        low, high = TABLE_WIDTHS
+        width = min(max(shutil.get_terminal_size((100, 24)).columns, low), high)
     if isinstance(width, bool) or not isinstance(width, int) or width < 40:
         raise ValueError(f"width: expected an int >= 40, got {width!r}")
     if wide:
@@ -129,6 +134,10 @@ def format_table(*, width: int = 100, wide: bool = False) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if not wide:
+        lines += ["", f"{len(rows) - 1} estimators. `tokenmdp estimators NAME`: one's card "
+                  "(formula, parts, paper,", "other names, exact figures); --wide: every part "
+                  "in its own column."]
     return "\n".join(lines)
 
 
