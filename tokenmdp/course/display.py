@@ -90,6 +90,10 @@ def table(rows: Sequence[Sequence], headers: Sequence[str], *, fmt: str = ".4g",
     return Rendered("\n".join(lines), html_table(headers, cells, title))
 
 
+#: The space around each HTML table cell (CSS), so that adjacent numbers never run together.
+CELL_PADDING = "0.2em 0.9em"
+
+
 def html_table(headers: Sequence[str], cells: Sequence[Sequence[str]], title: str | None = None
                ) -> str:
     """An HTML ``<table>`` of already formatted cells, right-aligned, with an optional caption.
@@ -108,11 +112,16 @@ def html_table(headers: Sequence[str], cells: Sequence[Sequence[str]], title: st
     str
         The table's HTML, escaped.
     """
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f'<td style="text-align:right">{html.escape(c.strip())}</td>'
-                                    for c in row) + "</tr>" for row in cells)
+    # the cells carry their own spacing: a site theme or a notebook may pad nothing, and
+    # "−0.489" "−0.306" would then read as one number
+    pad = f"padding:{CELL_PADDING};white-space:nowrap"
+    head = "".join(f'<th style="text-align:right;{pad}">{html.escape(h)}</th>' for h in headers)
+    body = "".join("<tr>" + "".join(f'<td style="text-align:right;{pad}">'
+                                    f"{html.escape(c.strip())}</td>" for c in row) + "</tr>"
+                   for row in cells)
     caption = f"<caption>{html.escape(title)}</caption>" if title else ""
-    return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return (f'<table class="tokenmdp-table">{caption}<thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table>")
 
 
 def alias_box(names: Sequence[str], *,
