@@ -86,9 +86,17 @@ html_theme_options = {
     "navbar_align": "left",
     "show_toc_level": 2,
     "navigation_with_keys": False,
+    # the left sidebar lists the current section's pages only, not every module below it: an
+    # API page carried the whole module tree (117 KB each)
+    "collapse_navigation": True,
+    "navigation_depth": 2,
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
     "secondary_sidebar_items": ["page-toc"],
 }
-html_sidebars = {"index": []}
+# no left sidebar where it would be empty (top-level leaf pages) or only repeat the module list
+# for each of the ~500 one-name API pages (half of each page's bytes); their module page links
+# them all
+html_sidebars = {"index": [], "getting_started": [], "benchmarks": [], "api/generated/*": []}
 html_show_sourcelink = False
+html_copy_source = False      # no _sources/ copy of every page (nothing links to it)

@@ -121,3 +121,32 @@ def test_offline_check_accepts_local_assets_and_links_to_papers(tmp_path):
 ])
 def test_offline_check_rejects_network_fetches_and_missing_mathjax(tmp_path, body):
     assert check_site.check(_page(tmp_path, body))
+
+
+def test_the_site_check_refuses_a_heavy_site_and_doctrees_inside(tmp_path, monkeypatch):
+    """Issue 30: a lean site (under 40 MiB, doctrees built elsewhere with ``-d``)."""
+    assert check_site.SITE_LIMIT == 40 * 1024 ** 2
+    site = _page(tmp_path, "")
+    assert check_site.check(site) == []
+    monkeypatch.setattr(check_site, "SITE_LIMIT", 1000)
+    (site / "big.bin").write_bytes(b"0" * 2000)
+    (site / ".doctrees").mkdir()
+    problems = check_site.check(site)
+    assert any("over" in p for p in problems) and any(".doctrees" in p for p in problems)
+
+
+def test_the_build_keeps_only_the_mathjax_the_pages_load(tmp_path):
+    """The bundled MathJax loses its other combined bundles and the SVG output; what
+    ``tex-chtml.js`` loads (its folders, the CHTML fonts) stays."""
+    import types
+    folder = tmp_path / "_static" / "mathjax"
+    for name in ("tex-chtml.js", "tex-svg.js", "mml-chtml.js", "loader.js", "output/svg.js",
+                 "output/svg/fonts/a.js", "output/chtml/fonts/woff-v2/x.woff", "input/tex.js",
+                 "sre/x.js"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("x")
+    app = types.SimpleNamespace(outdir=str(tmp_path), builder=types.SimpleNamespace(format="html"))
+    site_gen._slim_mathjax(app, None)
+    left = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert left == ["input/tex.js", "loader.js", "output/chtml/fonts/woff-v2/x.woff", "sre/x.js",
+                    "tex-chtml.js"]

@@ -1,5 +1,6 @@
 """Check a built site works offline: no page loads a script, style sheet, font or image from the
-network, the bundled MathJax is there, and every page with formulas loads it.
+network, the bundled MathJax is there, and every page with formulas loads it; and that it stays
+lean: under ``SITE_LIMIT`` bytes, without Sphinx's doctrees inside.
 
 Run after the build: ``python docs/_ext/check_site.py docs/_build/html`` (CI does). Exits 1 with
 one line per problem.
@@ -16,6 +17,8 @@ from pathlib import Path
 FETCHED = re.compile(r"<(script|link|img|iframe|source)\b[^>]*\b(src|href)=[\"'](https?:)?//",
                      re.I)
 MATH = re.compile(r'class="math|\\\(|\\\[')
+#: The largest site (bytes) a course should have to download or host.
+SITE_LIMIT = 40 * 1024 ** 2
 
 
 def check(site: Path) -> list[str]:
@@ -23,6 +26,11 @@ def check(site: Path) -> list[str]:
     pages = sorted(site.rglob("*.html"))
     if not pages:
         return [f"{site}: no HTML pages"]
+    size = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
+    if size > SITE_LIMIT:
+        problems.append(f"{site}: {size / 1024 ** 2:.1f} MiB, over {SITE_LIMIT / 1024 ** 2:.0f} MiB")
+    if (site / ".doctrees").exists():
+        problems.append(f"{site}/.doctrees: Sphinx's doctrees in the site (build with -d elsewhere)")
     mathjax = list(site.glob("_static/mathjax/tex-chtml*.js"))
     if not mathjax:
         problems.append(f"{site}/_static/mathjax: the bundled MathJax is missing")

@@ -264,7 +264,29 @@ def _generate(app, config=None) -> None:
     write_api_pages()
 
 
+#: The MathJax files the pages load (``tex-chtml.js``, which loads its components from the
+#: folders on demand) and what those load; every other combined bundle and the SVG output are
+#: removed from the built site (about 20 MB of one output format the site does not use).
+MATHJAX_KEEP = {"tex-chtml.js", "loader.js", "startup.js", "core.js"}
+MATHJAX_UNUSED = ("output/svg", "output/svg.js")
+
+
+def _slim_mathjax(app, exception) -> None:
+    if exception is not None or app.builder.format != "html":
+        return
+    folder = Path(app.outdir) / "_static" / "mathjax"
+    if not (folder / "tex-chtml.js").is_file():
+        return
+    for bundle in folder.glob("*.js"):
+        if bundle.name not in MATHJAX_KEEP:
+            bundle.unlink()
+    for name in MATHJAX_UNUSED:
+        path = folder / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
 def setup(app):
     app.connect("config-inited", _generate)  # before the sources are discovered
+    app.connect("build-finished", _slim_mathjax)
     app.connect("missing-reference", _resolve)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
