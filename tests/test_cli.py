@@ -293,3 +293,13 @@ def test_the_console_entry_point_fails_cleanly_in_a_subprocess():
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "--threads" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_each_table_summary_is_a_whole_first_sentence():
+    """The summary ends at a sentence's full stop, not inside "(Yao et al. 2025)" or at "i.e."."""
+    from tokenmdp.estimators.registry.lookup import _ENTRIES, _summary
+    for entry in _ENTRIES.values():
+        summary = _summary(entry)
+        assert summary.endswith(".") and summary.count("(") == summary.count(")"), summary
+        assert not summary.endswith(("al.", "i.e.", "e.g.")), summary
+    assert _summary(_ENTRIES["ppo_tis"]).endswith("(Yao et al. 2025).")

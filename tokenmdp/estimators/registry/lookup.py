@@ -80,11 +80,21 @@ def describe(name: str) -> str:
 TABLE_WIDTHS = (80, 120)
 
 
+#: Words ending in a full stop that do not end a sentence.
+_ABBREVIATIONS = ("al.", "i.e.", "e.g.", "cf.", "vs.", "Sec.", "Eq.")
+
+
 def _summary(entry: Entry) -> str:
-    """The first sentence of an entry's builder docstring, on one line, markup dropped."""
+    """The first sentence of an entry's builder docstring, on one line, markup dropped: it ends
+    at the first full stop outside parentheses that is not an abbreviation ("et al.", "i.e.")."""
     text = " ".join((entry.build.__doc__ or entry.formula).split()).replace("``", "")
-    head, dot, _ = text.partition(". ")
-    return head + ("." if dot or text.endswith(".") else "") if head else text
+    depth = 0
+    for i, char in enumerate(text):
+        depth += (char == "(") - (char == ")")
+        if char == "." and depth == 0 and text[i + 1:i + 2] in ("", " ") \
+                and not text[:i + 1].endswith(_ABBREVIATIONS):
+            return text[:i + 1]
+    return text
 
 
 def _fit(cell: str, width: int) -> str:
