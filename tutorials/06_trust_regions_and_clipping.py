@@ -209,11 +209,13 @@ plt.show()
 #
 # *Predict* before you run: at a step of length $s = 2$, is $J(\pi)$ above or below
 # $L_{\pi_{\text{old}}}(\pi)$, that is, does the surrogate promise more than the policy delivers?
-# Then compute $J(\pi) - L_{\pi_{\text{old}}}(\pi)$ **from the performance-difference lemma**
-# (the visitation difference above), not from `objective` or `surrogate`, and check it.
+# Record it as `gap_prediction` (`"above"` or `"below"`). Then compute
+# $J(\pi) - L_{\pi_{\text{old}}}(\pi)$ **from the performance-difference lemma** (the visitation
+# difference above), not from `objective` or `surrogate`, and check both.
 
 # %%
 # Solution
+gap_prediction = "below"            # recorded before computing: "above" or "below"
 pi_2 = step_along(pi_old, grad_old, 2.0)
 with torch.no_grad():
     d_change = state_visitation(mdp, pi_2) - state_visitation(mdp, pi_old)
@@ -222,6 +224,7 @@ with torch.no_grad():
 # %%
 # Check
 tokenmdp.check("tr06_first_order_gap", gap_answer)
+tokenmdp.check("tr06_predict_gap_sign", gap_prediction)
 
 # %% [markdown]
 # Negative: at $s = 2$ the surrogate over-promises. The states that $\pi$ now visits more often

@@ -225,3 +225,7 @@ WRONG_01_05 = {
                                          "the complement": 1 - _mismatch_by_hand()},
     "tr05_k1_estimate": _k1_wrong,
 }
+
+# The true option of each prediction (tr01_predict_*), by another route than the package's
+# (merged into PREDICT of tests/course/exercises/test_predictions.py).
+PREDICT_01_05: dict = {}

@@ -113,3 +113,7 @@ WRONG_07 = {
     "tr07_minirl_bias": _minirl_bias_wrong_answers,
     "tr07_sequence_ess": _sequence_ess_wrong_answers,
 }
+
+# The true option of each prediction (tr07_predict_*), by another route than the package's
+# (merged into PREDICT of tests/course/exercises/test_predictions.py).
+PREDICT_07: dict = {}

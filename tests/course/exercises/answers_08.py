@@ -108,3 +108,7 @@ WRONG_08 = {
         "without the importance weight": _off_policy_gap(weighted=False),
         "relative to ‖∇KL(π‖π_ref)‖": _off_policy_gap_relative_to_reverse()},
 }
+
+# The true option of each prediction (tr08_predict_*), by another route than the package's
+# (merged into PREDICT of tests/course/exercises/test_predictions.py).
+PREDICT_08: dict = {}

@@ -148,8 +148,9 @@ WRONG.update(WRONG_10)
 
 
 def test_every_registered_exercise_has_a_right_and_a_wrong_answer_here():
-    assert set(exercises.names()) == set(RIGHT) == set(WRONG)
-    assert len(exercises.names()) >= 3
+    # the predictions (tr<NN>_predict_*) have their own table: test_predictions.py
+    assert set(exercises.names("value")) == set(RIGHT) == set(WRONG)
+    assert len(exercises.names("value")) >= 3
 
 
 @pytest.mark.parametrize("name", sorted(RIGHT))

@@ -1,9 +1,9 @@
 """The tutorials' exercises, checked against the exact answer: ``tokenmdp.check(name, value)``.
 
-The front door: :func:`check`, :func:`names`, :func:`get`, :func:`expected` and
-:class:`Exercise` from :mod:`~tokenmdp.course.exercises.registry`, with every exercise
-registered, and the estimators of tutorials 6 and 10 (:func:`tr06_estimator`,
-:func:`tr10_prorl`).
+The front door: :func:`check`, :func:`names`, :func:`get`, :func:`expected`,
+:class:`Exercise` and :class:`Prediction` (a "Predict first" question's checked form) from
+:mod:`~tokenmdp.course.exercises.registry`, with every exercise registered, and the estimators
+of tutorials 6 and 10 (:func:`tr06_estimator`, :func:`tr10_prorl`).
 
 Floors, top to bottom::
 
@@ -23,8 +23,10 @@ the package's ``tokenmdp.check`` (loaded on first use) and the tutorials.
 from tokenmdp.course.exercises import t06  # noqa: F401, I001
 from tokenmdp.course.exercises import t01_05, t07, t08, t09, t10  # noqa: F401
 from tokenmdp.course.exercises.registry import (
+    KINDS,
     SHOW_ANSWERS_ENV,
     Exercise,
+    Prediction,
     Unsolved,
     UnsolvedError,
     check,
@@ -36,5 +38,5 @@ from tokenmdp.course.exercises.registry import (
 from tokenmdp.course.exercises.t06 import tr06_estimator
 from tokenmdp.course.exercises.t10 import tr10_prorl
 
-__all__ = ["SHOW_ANSWERS_ENV", "Exercise", "Unsolved", "UnsolvedError", "check", "expected", "get",
-           "names", "tr06_estimator", "tr10_prorl", "unsolved"]
+__all__ = ["KINDS", "SHOW_ANSWERS_ENV", "Exercise", "Prediction", "Unsolved", "UnsolvedError", "check",
+           "expected", "get", "names", "tr06_estimator", "tr10_prorl", "unsolved"]

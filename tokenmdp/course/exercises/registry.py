@@ -10,6 +10,11 @@ with a short hint, never the answer itself: typing in a printed answer would pas
 unsolved. A teacher sets ``TOKENMDP_SHOW_ANSWERS=1`` (:data:`SHOW_ANSWERS_ENV`) to see the
 exact values in the messages.
 
+A *prediction* (:class:`Prediction`) is the checked form of a tutorial's "Predict first"
+question: the student records one of a few options (``"above"``/``"below"``, a sign, a choice)
+before computing, and :func:`check` compares it with the option that the package's exact
+computation makes true — the option is computed from the setup too, never written down.
+
 >>> from tokenmdp import exercises
 >>> exercises.names()[:1]
 ('tr06_first_order_gap',)
@@ -25,8 +30,8 @@ import numbers
 import os
 from collections.abc import Callable
 
-__all__ = ["SHOW_ANSWERS_ENV", "Exercise", "Unsolved", "UnsolvedError", "check", "expected", "get",
-           "names", "unsolved"]
+__all__ = ["KINDS", "SHOW_ANSWERS_ENV", "Exercise", "Prediction", "Unsolved", "UnsolvedError", "check",
+           "expected", "get", "names", "unsolved"]
 
 SHOW_ANSWERS_ENV = "TOKENMDP_SHOW_ANSWERS"
 """Environment variable: ``1`` (teacher mode) adds the exact answer to a failed check's message."""
@@ -65,7 +70,35 @@ class Exercise:
     hint: str
 
 
-_EXERCISES: dict[str, Exercise] = {}
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A "Predict first" question: which of a few options is true, checked like an exercise.
+
+    Parameters
+    ----------
+    name : str
+        Registry name, ``tr<NN>_predict_<what>`` (tutorial number first).
+    question : str
+        The question in words, as the messages name it.
+    options : tuple of str
+        The possible answers (lower case, at least two), e.g. ``("above", "below")``.
+    compute : callable
+        ``compute() -> str``: the true option, from an exact computation on the exercise's
+        fixed setup (the same setup as the tutorial's cell).
+    hint : str
+        The idea that decides the question, shown when the prediction is wrong.
+    """
+
+    name: str
+    question: str
+    options: tuple[str, ...]
+    compute: Callable[[], str]
+    hint: str
+
+
+#: The kinds :func:`names` lists: a number checked against an exact value, or a prediction.
+KINDS = ("value", "prediction")
+_EXERCISES: dict[str, Exercise | Prediction] = {}
 
 
 def _exercise(name: str, *, quantity: str, tolerance: float, tolerance_name: str, hint: str):
@@ -75,19 +108,46 @@ def _exercise(name: str, *, quantity: str, tolerance: float, tolerance_name: str
     return register
 
 
+def _prediction(name: str, *, question: str, options: tuple[str, ...], hint: str):
+    if len(options) < 2 or len(set(options)) != len(options) or \
+            any(o != o.strip().lower() or not o for o in options):
+        raise ValueError(f"options: two or more distinct lower-case words, got {options!r}")
+
+    def register(compute: Callable[[], str]) -> Callable[[], str]:
+        _EXERCISES[name] = Prediction(name, question, tuple(options), compute, hint)
+        return compute
+    return register
+
+
 # ---------------------------------------------------------------------- lookup and check
-def names() -> tuple[str, ...]:
+def names(kind: str | None = None) -> tuple[str, ...]:
     """Every registered exercise name, in tutorial order.
+
+    Parameters
+    ----------
+    kind : {None, "value", "prediction"}, default None
+        Only the exercises whose answer is a number (``"value"``), only the predictions
+        (``"prediction"``), or both (None).
 
     Returns
     -------
     tuple of str
+
+    Raises
+    ------
+    ValueError
+        An unknown ``kind``.
     """
-    return tuple(_EXERCISES)
+    if kind is None:
+        return tuple(_EXERCISES)
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(KINDS)} or None, got {kind!r}")
+    wanted = Exercise if kind == "value" else Prediction
+    return tuple(name for name, item in _EXERCISES.items() if isinstance(item, wanted))
 
 
-def get(name: str) -> Exercise:
-    """The :class:`Exercise` ``name``.
+def get(name: str) -> Exercise | Prediction:
+    """The :class:`Exercise` or :class:`Prediction` ``name``.
 
     Parameters
     ----------
@@ -96,7 +156,7 @@ def get(name: str) -> Exercise:
 
     Returns
     -------
-    Exercise
+    Exercise or Prediction
 
     Raises
     ------
@@ -116,7 +176,7 @@ def get(name: str) -> Exercise:
 
 
 @functools.cache
-def expected(name: str) -> float:
+def expected(name: str) -> float | str:
     """The exact answer of exercise ``name``, computed from its setup (cached per process).
 
     Parameters
@@ -126,9 +186,22 @@ def expected(name: str) -> float:
 
     Returns
     -------
-    float
+    float or str
+        The value of an :class:`Exercise`; the true option of a :class:`Prediction`.
+
+    Raises
+    ------
+    RuntimeError
+        A prediction whose computation returned none of its options (a defect of the setup).
     """
-    return float(get(name).compute())
+    item = get(name)
+    if isinstance(item, Prediction):
+        option = item.compute()
+        if option not in item.options:
+            raise RuntimeError(f"{name}: the computation returned {option!r}, not one of "
+                               f"{item.options}")
+        return option
+    return float(item.compute())
 
 
 class UnsolvedError(RuntimeError):
@@ -262,8 +335,9 @@ def check(name: str, value) -> None:
     ----------
     name : str
         The exercise (:func:`tokenmdp.course.exercises.names`), e.g. ``"tr06_first_order_gap"``.
-    value : float, int, NumPy scalar or one-element tensor
-        Your answer.
+    value : float, int, NumPy scalar, one-element tensor or str
+        Your answer: a number, or for a prediction (``tr<NN>_predict_*``) one of its options
+        (case and surrounding spaces do not matter).
 
     Raises
     ------
@@ -271,13 +345,18 @@ def check(name: str, value) -> None:
         When ``|value − expected| > tolerance``: the message names the quantity, the given value,
         the tolerance, what is wrong (a sign, a factor, the order of magnitude, a coarse relative
         error) and a hint; the expected value only in teacher mode
-        (``TOKENMDP_SHOW_ANSWERS=1``).
+        (``TOKENMDP_SHOW_ANSWERS=1``). For a prediction: when the option is not the true one
+        (the message names the question, your option and the hint).
     ValueError
-        An unknown ``name`` (with a "did you mean").
+        An unknown ``name`` (with a "did you mean"), or a prediction that is none of the
+        question's options (the message lists them).
     TypeError
-        ``name`` not a str, or ``value`` not a number.
+        ``name`` not a str, or ``value`` not a number (for a prediction: not a str).
     """
     exercise = get(name)
+    if isinstance(exercise, Prediction):
+        _check_prediction(exercise, value)
+        return
     given = _as_number(value)
     want = expected(name)
     if math.isfinite(given) and _near(given, want, exercise.tolerance):
@@ -290,3 +369,26 @@ def check(name: str, value) -> None:
         f"{name}: not yet. {exercise.quantity}: got {given:.10g} (tolerance "
         f"{exercise.tolerance_name} = {exercise.tolerance:g})."
         f"{_diagnosis(given, want, exercise.tolerance)} Hint: {exercise.hint}{answer}")
+
+
+def _check_prediction(prediction: Prediction, value) -> None:
+    """:func:`check` for a :class:`Prediction`: ``value`` one of its options, the true one."""
+    name, options = prediction.name, prediction.options
+    listed = " or ".join(repr(o) for o in options)
+    if isinstance(value, Unsolved):
+        raise AssertionError(f"{name}: not yet. {prediction.question} Record your prediction "
+                             f"({listed}) before you compute. Hint: {prediction.hint}")
+    if not isinstance(value, str):
+        raise TypeError(f"value: a prediction is one of {listed} (a str), got "
+                        f"{type(value).__name__}")
+    given = value.strip().lower()
+    if given not in options:
+        raise ValueError(f"value: {value!r} is not an option of {name}; choose {listed}")
+    want = expected(name)
+    if given == want:
+        print(f"{name}: right — {prediction.question} {want!r}")
+        return
+    answer = (f" Answer (teacher mode, {SHOW_ANSWERS_ENV}=1): {want!r}."
+              if os.environ.get(SHOW_ANSWERS_ENV, "") == "1" else "")
+    raise AssertionError(f"{name}: not yet. {prediction.question} You predicted {given!r}; the "
+                         f"exact computation disagrees. Hint: {prediction.hint}{answer}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise
+from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise, _prediction, expected
 from tokenmdp.course.setups import copy_task, ppo_clip_fraction, step_along
 from tokenmdp.estimators import GSPO, Aggregation, Estimator, LeaveOneOut, Surrogate
 from tokenmdp.exact import gradient, moments, objective, surrogate
@@ -42,6 +42,16 @@ def _tr06_first_order_gap() -> float:
     mdp, pi, old = _tr06_pair(TR06_GAP_STEP)
     with torch.no_grad():
         return float(objective(mdp, pi) - surrogate(mdp, pi, old))
+
+
+@_prediction("tr06_predict_gap_sign",
+             question="At a step of length 2 along ∇J(π_old), is J(π) above or below the "
+                      "surrogate L_{π_old}(π)?",
+             options=("above", "below"),
+             hint="The gap is Σ_s (d^π(s) − d^{π_old}(s)) Σ_a π(a|s) A^{π_old}(s, a): ask whether "
+                  "the states π visits more often still hold advantage for π's own actions.")
+def _tr06_predict_gap_sign() -> str:
+    return "above" if expected("tr06_first_order_gap") > 0 else "below"
 
 
 @_exercise("tr06_clip_fraction",
