@@ -133,3 +133,16 @@ def test_interrupts_benchmark_small():
     out = run_script("interrupts.py", "--iterations", "2")
     result = json.loads(out.strip().splitlines()[-1])
     assert result["clean"] == 2 and result["failures"] == [], out
+
+
+def test_tutorials_benchmark_times_tutorial_one():
+    out = run_script("tutorials.py", "01")
+    report = json.loads(out.strip().splitlines()[-1])
+    (stem,) = report["cpu_s"]
+    assert stem.startswith("01_") and report["cpu_s"][stem] > 0
+    assert report["ratio_to_01"][stem] == 1.0 and report["budget_cpu_s"] == 60.0
+
+
+def test_tutorials_benchmark_refuses_an_unknown_number():
+    proc = run_benchmark("tutorials.py", "42")
+    assert proc.returncode == 2 and "no tutorial 42" in proc.stderr

@@ -5,7 +5,8 @@ Jupyter kernel, cell by cell, as a student would, and keeps each executed notebo
 (``docs/_build/.jupyter_cache``, keyed by the hash of the code cells). The tests below read the
 executed notebook from that cache when the cache holds the current source (CI builds the docs
 first, so each tutorial is executed once); without a matching entry they execute the tutorial
-themselves. Either way a tutorial that stops working fails the suite.
+themselves. Either way a tutorial that stops working fails the suite. CI sets
+``TOKENMDP_TUTORIALS_FROM_DOCS=1``, under which a tutorial missing from the cache fails.
 
 Exercises follow one convention, so that the test can find their solutions:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -63,6 +65,9 @@ EXERCISES_PER_TUTORIAL = range(2, 5)
 PREDICT = re.compile(r"\*Predict\*")
 #: MyST-NB's execution cache of the documentation build (docs/conf.py, nb_execution_cache_path).
 DOCS_CACHE = TUTORIALS.parent / "docs" / "_build" / ".jupyter_cache"
+#: ``1`` (CI, after its docs build): a tutorial missing from the docs cache fails instead of being
+#: executed a second time.
+FROM_DOCS_ENV = "TOKENMDP_TUTORIALS_FROM_DOCS"
 
 def _first_line(cell) -> str:
     lines = cell.source.strip().splitlines()
@@ -154,6 +159,9 @@ def _executed(path: Path):
     cached = _from_docs_cache(notebook)
     if cached is not None:
         return cached, "docs cache"
+    if os.environ.get(FROM_DOCS_ENV) == "1":
+        pytest.fail(f"{path.name}: not in the docs build's execution cache {DOCS_CACHE} although "
+                    f"{FROM_DOCS_ENV}=1: build the docs from this source first")
     client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(TUTORIALS)}})
     client.execute()  # raises CellExecutionError naming the failing cell
