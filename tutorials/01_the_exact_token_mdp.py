@@ -649,15 +649,18 @@ assert torch.allclose(g_broken - g_auto, predicted_error, rtol=0, atol=EXACT_TOL
 #
 # A `TabularPolicy` with `init_std=0` has all logits zero, so every next-token distribution is
 # uniform, $\pi(a\mid s) = 1/V$. *Predict* first: is $J$ of this policy above or below the $J$ of
-# our seeded policy (section 2)? Then write it in closed form, **without** calling `objective`,
-# using only `mdp.responses()`, `mdp.rewards` and `mdp.prompt_probs`, and store it in
-# `uniform_answer`.
+# our seeded policy (section 2)? Record it as `uniform_prediction` (`"above"` or `"below"`). Then
+# write it in closed form, **without** calling `objective`, using only `mdp.responses()`,
+# `mdp.rewards` and `mdp.prompt_probs`, and store it in `uniform_answer`.
 #
 # *Hint:* what is $\pi(y \mid x)$ for a response of length $|y|$? Is that also right for the
 # truncated responses? (And why do these probabilities sum to one per prompt?)
 
 # %%
 # Solution
+uniform_prediction = "above"        # recorded before computing: "above" or "below"
+
+
 def j_uniform(mdp):
     # π(y|x) = V^(-|y|): one factor 1/V per response token, the final EOS included; a truncated
     # response has |y| = L tokens and no EOS, so the same formula holds.
@@ -673,8 +676,13 @@ uniform_answer = j_uniform(mdp)
 # %%
 # Check
 tokenmdp.check("tr01_uniform_objective", uniform_answer)
+tokenmdp.check("tr01_predict_uniform_objective", uniform_prediction)
 
 # %% [markdown]
+# Above, by a factor six: the seeded logits happen to send 40% of the responses into truncation
+# (reward −1) where the uniform policy sends 30%, and they give the responses that copy a token
+# about half the uniform policy's probability. A random initialization is not a neutral one.
+#
 # Why they sum to one, per prompt: the probability of reaching depth $k$ is $(b/V)^k$. Of that,
 # a share $1/V$ stops there with EOS, which is $(b/V)^k - (b/V)^{k+1}$, and whatever reaches depth
 # $L$, $(b/V)^L$, stops by truncation. The sum
@@ -683,12 +691,14 @@ tokenmdp.check("tr01_uniform_objective", uniform_answer)
 # ### Exercise 2: a constant reward
 #
 # Suppose every response gets the same reward $R(x, y) = c$. *Predict* $\nabla J$, for any policy
-# and any $\theta$, and say why. Store $\lVert\nabla J\rVert$ for a `NeuralPolicy` (seed 2,
-# hidden width 4) with $c = 3$ in `grad_norm_answer`, without calling `gradient`; then compare it
-# with a Monte Carlo REINFORCE estimate from 2000 samples.
+# and any $\theta$, and say why: is it zero or not? Record it as `gradient_prediction` (`"zero"`
+# or `"nonzero"`). Store $\lVert\nabla J\rVert$ for a `NeuralPolicy` (seed 2, hidden width 4)
+# with $c = 3$ in `grad_norm_answer`, without calling `gradient`; then compare it with a Monte
+# Carlo REINFORCE estimate from 2000 samples.
 
 # %%
 # Solution
+gradient_prediction = "zero"        # recorded before computing: "zero" or "nonzero"
 # J(θ) = Σ_x D(x) Σ_y π_θ(y|x) c = c for every θ, because Σ_y π_θ(y|x) = 1: J is constant, so
 # ∇J = 0. Equivalently, it is the lemma of section 4 at the sequence level,
 # E_y[∇ log π(y|x)] = Σ_t E[∇ log π(y_t|s_t)] = 0, multiplied by c.
@@ -697,6 +707,7 @@ grad_norm_answer = 0.0
 # %%
 # Check
 tokenmdp.check("tr01_constant_reward_gradient_norm", grad_norm_answer)
+tokenmdp.check("tr01_predict_constant_reward_gradient", gradient_prediction)
 
 # %% [markdown]
 # The exact answer next to a Monte Carlo estimate: each sample contributes $c\,\sigma(y)$, and

@@ -507,11 +507,13 @@ for G in GS:
 # ### Exercise 1 — GRPO with the sample std at $G = 2$
 #
 # *Predict*, then compute: with the sample std (`ddof=1`, TRL's and verl's), the expected gradient
-# is $c\,\nabla J$. What is $c$? Store it in `grpo_scale_answer`, from the reward pair $(1, 0)$
-# alone, without `moments`.
+# is $c\,\nabla J$. Is $c$ smaller than 1, equal to 1 or larger than 1? Record it as
+# `scale_prediction` (`"smaller"`, `"equal"` or `"larger"`). Then store $c$ in
+# `grpo_scale_answer`, from the reward pair $(1, 0)$ alone, without `moments`.
 
 # %%
 # Solution
+scale_prediction = "smaller"        # recorded before computing: "smaller", "equal" or "larger"
 # the pair (1, 0) has mean ½ and sample std √((½² + ½²)/(2 − 1)) = 1/√2: the advantage is
 # ±½ / (1/√2) = ±1/√2, leave-one-out's ±1 times 1/√2 in every group, so c = 1/√2
 grpo_scale_answer = 0.5 / math.sqrt((0.5 ** 2 + 0.5 ** 2) / (2 - 1))
@@ -519,6 +521,7 @@ grpo_scale_answer = 0.5 / math.sqrt((0.5 ** 2 + 0.5 ** 2) / (2 - 1))
 # %%
 # Check
 tokenmdp.check("tr02_grpo_scale_g2", grpo_scale_answer)
+tokenmdp.check("tr02_predict_grpo_scale_g2", scale_prediction)
 
 # %% [markdown]
 # With the sample std the expected gradient is $\nabla J/\sqrt 2$: the direction is right, the
@@ -853,16 +856,20 @@ plt.show()
 # ## 8. Exercise 2: the variance-minimizing constant baseline
 #
 # Section 2 showed that $b = J$ is not the best constant baseline. *Predict* first: is $b^\star$
-# above or below $J$? Then, using the closed form of the variance, find the constant $b^\star$
-# that minimizes $\operatorname{tr}\operatorname{Cov}[\hat g]$ for REINFORCE with $A_i = R_i - b$.
-# Write it as a function of the arrays above (`w_N`, `R_N`, `score_N`), without calling
-# `moments` or `reinforce_variance`, and store it in `b_star`.
+# above or below $J$? Record it as `baseline_prediction` (`"above"` or `"below"`). Then, using the
+# closed form of the variance, find the constant $b^\star$ that minimizes
+# $\operatorname{tr}\operatorname{Cov}[\hat g]$ for REINFORCE with $A_i = R_i - b$. Write it as a
+# function of the arrays above (`w_N`, `R_N`, `score_N`), without calling `moments` or
+# `reinforce_variance`, and store it in `b_star`.
 #
 # *Hint:* only the term $\frac1G\,\mathbb{E}[(R - b)^2\|\sigma\|^2]$ depends on $b$. Does the
 # answer depend on $G$?
 
 # %%
 # Solution
+baseline_prediction = "above"       # recorded before computing: "above" or "below"
+
+
 def optimal_constant_baseline(w_N, R_N, score_N):
     # d/db E[(R - b)^2 ‖σ‖^2] = -2 E[(R - b) ‖σ‖^2] = 0  =>  b* = E[R ‖σ‖^2] / E[‖σ‖^2],
     # the average reward weighted by the squared norm of each response's score (any G).
@@ -875,10 +882,13 @@ b_star = optimal_constant_baseline(w_N, R_N, score_N)
 # %%
 # Check
 tokenmdp.check("tr02_optimal_constant_baseline", b_star)
+tokenmdp.check("tr02_predict_baseline_vs_j", baseline_prediction)
 
 # %% [markdown]
-# The check compares $b^\star$ with the vertex of the exact variance parabola (three exact
-# `moments` calls). The exact variances at $b^\star$ and around it, next to $b = J$ and $V(x)$:
+# Above: $b^\star \approx 0.53$ against $J \approx 0.30$, because the rewarded responses have the
+# larger scores here ($\mathbb{E}[\|\sigma\|^2 \mid R = 1] \approx 1.2$ against $0.46$ for
+# $R = 0$). The check compares $b^\star$ with the vertex of the exact variance parabola (three
+# exact `moments` calls). The exact variances at $b^\star$ and around it, next to $b = J$ and $V(x)$:
 
 # %%
 DELTA = 0.05

@@ -389,11 +389,13 @@ for row in sweep:
 #
 # *Predict* the relative bias $\|\mathbb{E}[\hat g_{\text{tok}}] - \nabla J\| / \|\nabla J\|$ of
 # token-level IS with data from `stale_copy(mdp, pi, distance=1.5)`: between the sweep's values at
-# $d = 1$ and $d = 2$, closer to which? Then compute it **without** `moments`, from `surrogate`
-# and `gradient` alone, and store it in `token_is_answer`.
+# $d = 1$ and $d = 2$, closer to which? Record it as `bias_prediction` (`"a"` for the value at
+# $d = 1$, `"b"` for the value at $d = 2$). Then compute it **without** `moments`, from
+# `surrogate` and `gradient` alone, and store it in `token_is_answer`.
 
 # %%
 # Solution
+bias_prediction = "b"               # recorded before computing: "a" (d = 1) or "b" (d = 2)
 # E[ĝ_tok] = ∇L_μ(π) exactly, so the bias is the surrogate's gradient error ∇L_μ − ∇J
 stale_15 = stale_copy(mdp, pi, distance=1.5)
 surrogate_error = flat_grad(surrogate(mdp, pi, stale_15), pi) - grad_J
@@ -402,8 +404,11 @@ token_is_answer = float(surrogate_error.norm() / grad_J.norm())
 # %%
 # Check
 tokenmdp.check("tr03_token_is_relative_bias", token_is_answer)
+tokenmdp.check("tr03_predict_token_is_bias", bias_prediction)
 
 # %% [markdown]
+# Closer to $d = 2$: 0.31 between 0.22 and 0.39. The bias grows more slowly than in proportion to
+# the distance, so the value in the middle lies above the chord.
 #
 # ### How good is the first-order approximation?
 #
@@ -723,6 +728,7 @@ print(f"cap with the lowest MSE_{B}: {best}")
 # `sequence_probs`, `sequence_logprobs`, `mdp.rewards`, `mdp.prompt_probs` and `response_scores`,
 # as the bias $\mathbb{E}[\hat g] - \nabla J$ (a flat vector), and store its norm in
 # `tis_bias_norm`. *Predict* first: is it larger or smaller than the bias of no correction?
+# Record it as `tis_prediction` (`"larger"` or `"smaller"`).
 #
 # *Hints.* By symmetry the expected gradient is the expectation of the first sample's term,
 # $\min(W_1, C)\,(R_1 - R_2)\,\nabla\log\pi(y_1)$, with $y_1, y_2$ independent draws from
@@ -731,6 +737,7 @@ print(f"cap with the lowest MSE_{B}: {best}")
 
 # %%
 # Solution
+tis_prediction = "smaller"          # recorded before computing: "larger" or "smaller"
 C_EXERCISE = 1.25
 
 
@@ -758,9 +765,12 @@ tis_bias_norm = float(tis_sequence_bias(mdp, pi, mu, C_EXERCISE).norm())
 # %%
 # Check
 tokenmdp.check("tr03_tis_sequence_bias_norm", tis_bias_norm)
+tokenmdp.check("tr03_predict_tis_vs_no_correction", tis_prediction)
 
 # %% [markdown]
-# The truncated weight biases the estimator twice: directly, through $-\mathbb{E}_\mu[(W - C)^+ R\,
+# Smaller, about half the bias of no correction (0.025 against 0.050): the cap keeps the exact
+# weight on every response with $W \le C$. But not zero. The truncated weight biases the
+# estimator twice: directly, through $-\mathbb{E}_\mu[(W - C)^+ R\,
 # \sigma]$, and through the baseline, because $\mathbb{E}_\mu[\min(W, C)\,\sigma] \ne 0$ once
 # responses are truncated. A baseline is free only under exact importance weights.
 #

@@ -354,19 +354,25 @@ assert max(row[-1] for row in closed_forms.rows) < EXACT_TOL     # max |differen
 # ### Exercise 1 — the constant normalizer at $G = 3$
 #
 # *Predict* $c$ in $\mathbb{E}[\hat g] = c\,\nabla J$ for the constant normalizer with the
-# group-mean advantage, now with groups of $G = 3$ (still $L_{\max} = 4$), and store it in
+# group-mean advantage, now with groups of $G = 3$ (still $L_{\max} = 4$): is it larger or smaller
+# than at $G = 2$? Record it as `scale_prediction` (`"larger"` or `"smaller"`), then store $c$ in
 # `constant_scale_answer`.
 
 # %%
 # Solution
+scale_prediction = "larger"         # recorded before computing: "larger" or "smaller"
 # every sequence weighs 1/(G L), and the group mean gives E[A_i σ_i] = (G − 1)/G ∇J
 constant_scale_answer = (3 - 1) / (3 * L)
 
 # %%
 # Check
 tokenmdp.check("tr04_constant_scale_g3", constant_scale_answer)
+tokenmdp.check("tr04_predict_constant_scale_g3", scale_prediction)
 
 # %% [markdown]
+# Larger: $\frac16$ against $\frac18$ at $G = 2$. The $1/G$ in each sequence's weight is paid back
+# by the $G$ sequences of a group; what is left is the group mean's $(G-1)/G$, which grows with $G$.
+#
 # The exact moments next to a Monte Carlo estimate from 4000 sampled groups, run through the
 # library's `prepare` and `loss` (`method="monte_carlo"`), for the per-sequence token mean:
 
@@ -669,15 +675,18 @@ assert abs((padded_loss - full_loss).item()) < EXACT_TOL
 # RLOO (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740) uses the leave-one-out
 # advantage $A_i = R_i - \frac{1}{G-1}\sum_{j\neq i} R_j$, which is unbiased for $\nabla J$ with a
 # sum aggregation. Pair it with the per-sequence token mean (`LeaveOneOut()` with
-# `Aggregation.SEQUENCE_MEAN_TOKEN_MEAN`). *Predict*: which vector is its expected gradient? Write
-# it with `flat_grad` and `length_normalized_objective`, without calling `moments`, as `answer`,
-# and store its norm in `rloo_token_mean_norm`.
+# `Aggregation.SEQUENCE_MEAN_TOKEN_MEAN`). *Predict*: which vector is its expected gradient,
+# (a) $\nabla J$, (b) $\nabla\mathbb{E}[(R - J)/|y|]$ with $J$ held fixed, or
+# (c) $\frac{G-1}{G}\nabla\mathbb{E}[(R - J)/|y|]$? Record it as `vector_prediction` (`"a"`, `"b"`
+# or `"c"`). Then write it with `flat_grad` and `length_normalized_objective`, without calling
+# `moments`, as `answer`, and store its norm in `rloo_token_mean_norm`.
 #
 # *Hint:* the $R_j$ with $j \neq i$ are independent of $y_i$. Is there still a factor
 # $\frac{G-1}{G}$?
 
 # %%
 # Solution
+vector_prediction = "b"             # recorded before computing: "a", "b" or "c"
 # E[A_i σ_i / |y_i|] = E[R σ/|y|] - E[R_j] E[σ/|y|] = ∇E[R/|y|] - J ∇E[1/|y|], since the other
 # samples are independent of y_i: exactly ∇E[(R - J)/|y|] with b = J held fixed, and no (G-1)/G
 # factor (the leave-one-out mean does not contain R_i). The mean over i of G such terms is one of
@@ -688,6 +697,7 @@ rloo_token_mean_norm = float(answer.norm())
 # %%
 # Check
 tokenmdp.check("tr04_rloo_token_mean_norm", rloo_token_mean_norm)
+tokenmdp.check("tr04_predict_rloo_token_mean_vector", vector_prediction)
 
 # %% [markdown]
 # The norm is checked; the whole vector agrees with the exact moments too:

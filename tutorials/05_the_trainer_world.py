@@ -262,11 +262,13 @@ for precision in ("fp32", "bf16", "fp16"):
 #
 # The table used $k_3$. The other common estimator is $k_1$, the plain average of
 # $\log\mu - \log\pi_{\text{old}}$ over the tokens $\mu$ sampled (Schulman 2020, "Approximating
-# KL divergence"). *Predict* its sign for the bf16 engine without replay, then compute it by hand
-# from the batch's `behavior_logprob` and `old_logprob` and store it in `k1_answer`.
+# KL divergence"). *Predict* its sign for the bf16 engine without replay and record it as
+# `k1_prediction` (`"positive"` or `"negative"`), then compute it by hand from the batch's
+# `behavior_logprob` and `old_logprob` and store it in `k1_answer`.
 
 # %%
 # Solution
+k1_prediction = "negative"          # recorded before computing: "positive" or "negative"
 engine = RolloutEngine(model, precision="bf16")
 bf16_batch = packed_rollouts(engine, rollout_prompts, max_new_tokens=MAX_NEW_TOKENS,
                              eos_id=tok.EOS, capacity=capacity, seed=7)  # section 2's samples
@@ -277,6 +279,7 @@ k1_answer = float(k1_terms.mean())
 # %%
 # Check
 tokenmdp.check("tr05_k1_estimate", k1_answer)
+tokenmdp.check("tr05_predict_k1_sign", k1_prediction)
 
 # %% [markdown]
 # Negative, although a KL is never negative. $k_1$ is unbiased, but its terms take both signs, and
@@ -336,7 +339,8 @@ table([r + ((r[1] - r[3]) / r[2],) for r in rows],
 # * **evaluation**: held-out exact-match accuracy on 200 prompts that training never draws,
 #   near-greedy (temperature 0.01) with the same bf16 engine.
 #
-# Both runs share the model shape and seed. They take about twenty seconds together.
+# Both runs share the model shape and seed. Together they take about 45 CPU seconds (one thread,
+# measured on a two-core machine).
 
 # %%
 tmp = tempfile.TemporaryDirectory()
@@ -401,11 +405,13 @@ plt.show()
 # *update* pass of the step, so that the mini-batch updates after the first see the same experts as
 # $\pi_{\text{old}}$. Sample with the bf16 engine of section 2 again (same prompts, same generator
 # seed: exercise 1's `bf16_batch`). *Predict* which of section 2's numbers R2's routing mismatch
-# against the engine reproduces; then run `compute_old_logprobs` with `"r2"` and store that
-# mismatch in `r2_mismatch`.
+# against the engine reproduces: (a) the bf16 engine's without replay, (b) its mismatch with R3,
+# or (c) neither? Record it as `r2_prediction` (`"a"`, `"b"` or `"c"`); then run
+# `compute_old_logprobs` with `"r2"` and store that mismatch in `r2_mismatch`.
 
 # %%
 # Solution
+r2_prediction = "a"                 # recorded before computing: "a", "b" or "c"
 old_r2 = compute_old_logprobs(model, bf16_batch, "r2")
 r2_mismatch = routing_mismatch_rate(old_r2.token_extras[ENGINE_ROUTING],
                                     old_r2.token_extras[OLD_ROUTING])
@@ -413,6 +419,7 @@ r2_mismatch = routing_mismatch_rate(old_r2.token_extras[ENGINE_ROUTING],
 # %%
 # Check
 tokenmdp.check("tr05_r2_routing_mismatch", r2_mismatch)
+tokenmdp.check("tr05_predict_r2_mismatch", r2_prediction)
 
 # %%
 same_old = torch.equal(old_r2.old_logprob, old_none.old_logprob)

@@ -65,12 +65,14 @@ from tokenmdp.course.setups import copy_task, ppo_clip_fraction, step_along
 from tokenmdp.estimators import (
     CISPO,
     GSPO,
+    Aggregation,
     MiniRL,
     PPOClip,
     Surrogate,
     SurrogateTerms,
     TokenRatio,
     cispo_term,
+    get,
     loss,
     ppo_clip_term,
     ppo_keep_mask,
@@ -180,16 +182,19 @@ assert all(abs(a - b) < EXACT_TOL for _, a, b in rows)
 # %%
 STEPS = torch.logspace(-2, 1, 10, dtype=torch.float64).tolist()
 path = first_order_path(mdp, pi_old, grad_old, STEPS)
-eps_A, rows = float(A_old.abs().max()), []
+eps_A, rows, loose = float(A_old.abs().max()), [], []
 for p in path:
     moved = step_along(pi_old, grad_old, p.step)
     alpha = float(max_state_tv(mdp, moved, pi_old))
     by_hand = 2 * eps_A * alpha ** 2 * mdp.max_len * (mdp.max_len - 1)
     assert abs(by_hand - float(trust_region_bound(mdp, moved, pi_old))) < EXACT_TOL
     assert abs(p.gap) <= by_hand
-    rows.append((p.step, alpha, p.gap, by_hand, abs(p.gap) / by_hand))
-show(table(rows, ["step s", "α = max TV", "gap J − L", "bound 2εα²L(L−1)", "|gap| / bound"],
+    loose.append(by_hand / abs(p.gap))                # how loose the bound is: a factor
+    rows.append((p.step, alpha, p.gap, by_hand, f"{loose[-1]:.0f}×"))
+show(table(rows, ["step s", "α = max TV", "gap J − L", "bound 2εα²L(L−1)", "bound / |gap|"],
            fmt=".3e"))
+print(f"the bound is {min(loose):.0f} to {max(loose):.0f} times the exact |J − L| along the path")
+assert all(10 < x < 100 for x in loose)              # one to two orders of magnitude
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -202,8 +207,9 @@ finish(ax, title="The first-order gap is second order in the step", xlabel="step
 plt.show()
 
 # %% [markdown]
-# The gap grows like $s^2$ and stays below the bound, which is loose by one to two orders of
-# magnitude here, as worst-case bounds are. Its sign is not fixed by the bound.
+# The gap grows like $s^2$ and stays below the bound, which is loose by a factor of 37 to 76
+# here (the line under the table), between one and two orders of magnitude, as worst-case
+# bounds are. Its sign is not fixed by the bound.
 #
 # ### Exercise 1 — the gap at $s = 2$
 #
@@ -255,6 +261,8 @@ ppo = tr06_estimator(PPOClip(eps_low=0.2, eps_high=0.2))
 batch = sample(mdp, pi_old, 400, generator=torch.Generator().manual_seed(6), group_size=G)
 batch = prepare(batch.replace(old_logprob=batch.behavior_logprob), ppo)     # μ = π_old
 print(batch)
+with torch.no_grad():
+    print(f"step {STALE}: KL(π ‖ π_old) = {float(sequence_kl(mdp, pi, pi_old)):.4f} per response")
 
 # %%
 lp = pi.token_logprobs(batch)
@@ -273,11 +281,6 @@ assert (g_ppo - g_hand).abs().max() < EXACT_TOL
 # The same identity in expectation: MiniRL (Zheng et al., arXiv 2512.01374) *is* that masked
 # REINFORCE loss, $M_t \operatorname{sg}(r_t) \hat A \log\pi_\theta$, so with the same
 # $\varepsilon$ its exact expected gradient and variance must be PPO's.
-#
-# The share of clipped tokens is what trainers log as `clip_fraction`.
-# `ppo_clip_fraction` computes its exact expectation by enumerating every response with every
-# partner; next to it, the metric of the library's loss on eight sampled batches, with its
-# standard error.
 
 # %%
 m_ppo, m_minirl = expected_gradient(PPOClip(eps_low=0.2, eps_high=0.2), pi), \
@@ -286,31 +289,19 @@ print(f"max |E ĝ_PPO − E ĝ_MiniRL| = {float((m_ppo.mean - m_minirl.mean).abs
       f"variances {m_ppo.total_variance:.6f} / {m_minirl.total_variance:.6f}")
 assert (m_ppo.mean - m_minirl.mean).abs().max() < EXACT_TOL
 
-# %%
-generator, fractions = torch.Generator().manual_seed(3), []
-for _ in range(8):
-    b = sample(mdp, pi_old, 2000, generator=generator, group_size=G)
-    b = prepare(b.replace(old_logprob=b.behavior_logprob), ppo)
-    with torch.no_grad():
-        fractions.append(float(loss(pi.token_logprobs(b), b, ppo)[1]["clip_fraction"]))
-fractions = torch.tensor(fractions, dtype=torch.float64)
-mc, se = float(fractions.mean()), float(fractions.std() / len(fractions) ** 0.5)
-exact = ppo_clip_fraction(mdp, pi, pi_old, eps_low=0.2, eps_high=0.2)
-print(f"clip fraction: Monte Carlo {mc:.5f} ± {se:.5f}, exact {exact:.5f}, "
-      f"difference {(mc - exact) / se:+.2f} s.e.")
-assert abs(mc - exact) < Z_TOL * se
-
 # %% [markdown]
 # ### Exercise 2 — the clip fraction
 #
-# *Predict* first: at the same step ($s = 0.5$, KL between the policies about 0.014 per
-# response), what share of tokens does PPO with $\varepsilon = 0.2$ clip — closer to 0.5%, 5% or
-# 50%? Then compute it **without** `ppo_clip_fraction`: the exact pooled share
-# $\mathbb{E}[\#\text{clipped}]/\mathbb{E}[\#\text{tokens}]$ over every pair $(y_1, y_2)$ drawn
-# from $\pi_{\text{old}}$, with $\hat A_1 = R_1 - R_2$.
+# The share of clipped tokens is what trainers log as `clip_fraction`. *Predict* first: at the
+# same step ($s = 0.5$, the KL printed above), what share of tokens does PPO with
+# $\varepsilon = 0.2$ clip — closer to 0.5%, 5% or 50%? Record it as `clip_prediction`
+# (`"0.5%"`, `"5%"` or `"50%"`). Then compute the share **without** `ppo_clip_fraction`: the
+# exact pooled share $\mathbb{E}[\#\text{clipped}]/\mathbb{E}[\#\text{tokens}]$ over every pair
+# $(y_1, y_2)$ drawn from $\pi_{\text{old}}$, with $\hat A_1 = R_1 - R_2$.
 
 # %%
 # Solution
+clip_prediction = "5%"              # recorded before computing: "0.5%", "5%" or "50%"
 enum = mdp.enumerate()
 with torch.no_grad():
     r_N = torch.where(enum.loss_mask, pi.token_logprobs(enum) - pi_old.token_logprobs(enum), 0.0).exp()
@@ -326,6 +317,26 @@ clip_answer = float((w_N[:, None] * q_N[None, :] * clipped_NN).sum() / (w_N * en
 # %%
 # Check
 tokenmdp.check("tr06_clip_fraction", clip_answer)
+tokenmdp.check("tr06_predict_clip_share", clip_prediction)
+
+# %% [markdown]
+# The package's `ppo_clip_fraction` computes the same exact expectation by enumerating every
+# response with every partner; next to it, the metric of the library's loss on eight sampled
+# batches, with its standard error.
+
+# %%
+generator, fractions = torch.Generator().manual_seed(3), []
+for _ in range(8):
+    b = sample(mdp, pi_old, 2000, generator=generator, group_size=G)
+    b = prepare(b.replace(old_logprob=b.behavior_logprob), ppo)
+    with torch.no_grad():
+        fractions.append(float(loss(pi.token_logprobs(b), b, ppo)[1]["clip_fraction"]))
+fractions = torch.tensor(fractions, dtype=torch.float64)
+mc, se = float(fractions.mean()), float(fractions.std() / len(fractions) ** 0.5)
+exact = ppo_clip_fraction(mdp, pi, pi_old, eps_low=0.2, eps_high=0.2)
+print(f"clip fraction: Monte Carlo {mc:.5f} ± {se:.5f}, exact {exact:.5f}, "
+      f"difference {(mc - exact) / se:+.2f} s.e.")
+assert abs(mc - exact) < Z_TOL * se
 
 # %% [markdown]
 # About 5% of the tokens are clipped, yet the cosine of the expected gradient with $\nabla J$
@@ -431,17 +442,20 @@ print(f"P(s_i inside the band) = {float((weight * inside).sum()):.4f}")
 #
 # ### Exercise 3 — where does GSPO's expected gradient point?
 #
-# *Predict* the sign of $\cos(\mathbb{E}[\hat g_{\text{GSPO}}], \nabla J)$ at this step, then
-# compute it exactly with `moments` (the notebook's estimator with the `GSPO` surrogate and its
-# paper band, data from $\pi_{\text{old}}$).
+# *Predict* the sign of $\cos(\mathbb{E}[\hat g_{\text{GSPO}}], \nabla J)$ at this step and
+# record it as `gspo_prediction` (`"positive"` or `"negative"`), then compute the cosine exactly
+# with `moments` (the notebook's estimator with the `GSPO` surrogate and its paper band, data
+# from $\pi_{\text{old}}$).
 
 # %%
 # Solution
+gspo_prediction = "negative"        # recorded before computing: "positive" or "negative"
 gspo_cosine = expected_gradient(GSPO(eps_low=3e-4, eps_high=4e-4), pi).cosine
 
 # %%
 # Check
 tokenmdp.check("tr06_gspo_cosine", gspo_cosine)
+tokenmdp.check("tr06_predict_gspo_sign", gspo_prediction)
 
 # %% [markdown]
 # Negative: the surviving gradients push the policy *back* toward $\pi_{\text{old}}$ (each
@@ -464,6 +478,35 @@ show(table([(name, *[expected_gradient(part, policies[s]).cosine for s in SWEEP]
            fmt="+.3f"))
 
 # %% [markdown]
+# The notebook's estimator is not quite the paper's GSPO, in two parts other than the band. Its
+# reducer sums GSPO's per-sequence term over the response's tokens (loss weight $1/S$ on each
+# token), so a response of $|y|$ tokens counts $|y|$ times; the paper's objective is a mean over
+# sequences, $\frac1G\sum_i \min\big(s_i\hat A_i, \mathrm{clip}(s_i)\hat A_i\big)$, which is the
+# sequence-mean of token means. And the registry's `gspo` also divides the advantage by the
+# group's standard deviation. Swapping one part at a time, at the same step:
+
+# %%
+registry_gspo = get("gspo")
+ours = tr06_estimator(registry_gspo.surrogate)              # the band of exercise 3
+per_sequence_mean = Aggregation.SEQUENCE_MEAN_TOKEN_MEAN    # each response's terms weigh 1/S in all
+assert registry_gspo.aggregation is per_sequence_mean
+reducers = {"notebook: Â = R_1 − R_2, token sum": ours,
+            "Â = R_1 − R_2, per-sequence mean": dataclasses.replace(ours, aggregation=per_sequence_mean),
+            "group-normalized Â, token sum": dataclasses.replace(registry_gspo,
+                                                                 aggregation=ours.aggregation),
+            "registry gspo: group-normalized Â, per-sequence mean": registry_gspo}
+reducer_cosines = {name: moments(mdp, pi, e, group_size=G, behavior=pi_old, method=METHOD).cosine
+                   for name, e in reducers.items()}
+show(table(list(reducer_cosines.items()), ["GSPO estimator, step 0.5", "cos(E ĝ, ∇J)"], fmt="+.3f"))
+spread = max(reducer_cosines.values()) - min(reducer_cosines.values())
+print(f"the four cosines are negative and span {spread:.3f}")
+assert all(c < 0 for c in reducer_cosines.values()) and spread < 0.05
+
+# %% [markdown]
+# All four point away from $\nabla J$: with the paper's per-sequence mean the cosine is −0.610
+# instead of −0.623, with the registry's `gspo` −0.620. The reverse gear is the band's, not the
+# reducer's or the advantage's.
+#
 # ## 6. Multi-epoch staleness: one rollout, $N$ updates
 #
 # A trainer splits one rollout into $N$ mini-batches and updates on each. We run that exactly:
@@ -588,6 +631,7 @@ show(alias_box(["ppo", "dapo", "cispo", "gspo", "minirl"]))
 #   advantages above $c$, CISPO keeps clipped tokens with a bounded weight and stays close to
 #   token IS.
 # * GSPO's $3\cdot10^{-4}$ band under a stale step of 0.5 clips every sequence that moved the
-#   right way: the expected gradient has a negative cosine with $\nabla J$.
+#   right way: the expected gradient has a negative cosine with $\nabla J$, with the notebook's
+#   token-sum reducer and with the paper's per-sequence mean (the registry's `gspo`) alike.
 # * On one rollout, more updates climb the surrogate; the clip stops the climb, token IS pays the
 #   gap. Forgetting $\operatorname{sg}(r)$ biases even the on-policy step.

@@ -169,13 +169,15 @@ mu = engine(noise_std=0.4)          # the engine of the exercises and of section
 # ### Exercise 1 — the per-token $\chi^2$ by hand
 #
 # *Predict* before you run: for the engine with noise $\sigma = 0.4$, is the per-token $\chi^2$
-# larger or smaller than the per-response one, and by roughly what factor? (The expected response
-# length under $\mu$ is about 2.2 tokens.) Then compute the per-token value **without**
-# `chi_square`: $\chi^2_s = \sum_a \pi_{\text{old}}(a|s)^2/\mu(a|s) - 1$ at every state, averaged
-# with the weights $d^\mu(s)/\sum_s d^\mu(s)$ (`state_visitation` of $\mu$).
+# larger or smaller than the per-response one? Record it as `chi2_prediction` (`"larger"` or
+# `"smaller"`), and think about the factor: a response has between one and three tokens. Then
+# compute the per-token value **without** `chi_square`: $\chi^2_s = \sum_a
+# \pi_{\text{old}}(a|s)^2/\mu(a|s) - 1$ at every state, averaged with the weights
+# $d^\mu(s)/\sum_s d^\mu(s)$ (`state_visitation` of $\mu$).
 
 # %%
 # Solution
+chi2_prediction = "smaller"         # recorded before computing: "larger" or "smaller"
 with torch.no_grad():
     per_state = torch.cat([(2 * lp - lq).exp().sum(-1).reshape(-1) - 1
                            for lp, lq in zip(state_logprobs(mdp, pi_old), state_logprobs(mdp, mu))])
@@ -185,12 +187,25 @@ token_chi2_answer = float((d_mu * per_state).sum() / d_mu.sum())
 # %%
 # Check
 tokenmdp.check("tr07_token_chi2", token_chi2_answer)
+tokenmdp.check("tr07_predict_token_chi2", chi2_prediction)
 
 # %% [markdown]
 # Smaller, by about the expected length: a response's weight is the product of its tokens'
-# weights, so $1 + \chi^2_{\text{seq}} \approx (1 + \chi^2_{\text{tok}})^{\mathbb{E}|y|}$ — here
-# 0.029 per token, $1.029^{2.22} - 1 = 0.066$, against the exact 0.063 per response (the factors
-# of one response are not independent, so the power is only an approximation).
+# weights, so $1 + \chi^2_{\text{seq}} \approx (1 + \chi^2_{\text{tok}})^{\mathbb{E}|y|}$. With
+# $\mathbb{E}_\mu|y| = \sum_s d^\mu(s)$:
+
+# %%
+with torch.no_grad():
+    mean_length = float(state_visitation(mdp, mu).sum())                 # E_μ|y|
+chi2_tok, chi2_seq = float(chi_square(mdp, pi_old, mu, level="token")), float(chi_square(mdp, pi_old, mu))
+power = (1 + chi2_tok) ** mean_length - 1
+print(f"E_μ|y| = {mean_length:.2f}; χ² per token {chi2_tok:.3f}: (1 + χ²)^E|y| − 1 = {power:.3f}, "
+      f"exact χ² per response {chi2_seq:.3f}")
+assert chi2_tok < chi2_seq and abs(power - chi2_seq) < 0.1 * chi2_seq
+
+# %% [markdown]
+# The power is close but not exact: the factors of one response are not independent, and its
+# length varies.
 #
 # ## 2. The decomposition $\rho = (\pi_{\text{old}}/\mu)(\pi_\theta/\pi_{\text{old}})$
 #
@@ -316,12 +331,15 @@ show(table(rows, ["setting", "estimator", "cos(E ĝ, ∇J)", "directional bias",
 #
 # *Predict* first: with the engine $\sigma = 0.4$ at $\pi_\theta = \pi_{\text{old}}$, is
 # MiniRL's relative shift $\|\mathbb{E}_\mu\hat g - \mathbb{E}_{\pi_{\text{old}}}\hat g\| /
-# \|\mathbb{E}_{\pi_{\text{old}}}\hat g\|$ closer to 0 (the correction removes the bias), to half
-# of `minirl_no_is`'s, or to all of it? Then compute it exactly with `moments` (the registry's
-# `minirl`, $G = 2$, once with data from $\mu$ and once from $\pi_{\text{old}}$).
+# \|\mathbb{E}_{\pi_{\text{old}}}\hat g\|$ closer to zero (the correction removes the bias), to
+# half of `minirl_no_is`'s, or to all of `minirl_no_is`'s (it removes almost none)? Record it as
+# `minirl_bias_prediction` (`"zero"`, `"half"` or `"all"`). Then compute the shift exactly with
+# `moments` (the registry's `minirl`, $G = 2$, once with data from $\mu$ and once from
+# $\pi_{\text{old}}$).
 
 # %%
 # Solution
+minirl_bias_prediction = "all"      # recorded before computing: "zero", "half" or "all"
 minirl = get("minirl")
 off = moments(mdp, pi_old, minirl, group_size=G, behavior=mu, old=pi_old, method=METHOD).mean
 on = moments(mdp, pi_old, minirl, group_size=G, behavior=pi_old, method=METHOD).mean
@@ -330,17 +348,19 @@ minirl_bias_answer = float((off - on).norm() / on.norm())
 # %%
 # Check
 tokenmdp.check("tr07_minirl_bias", minirl_bias_answer)
+tokenmdp.check("tr07_predict_minirl_bias", minirl_bias_prediction)
 
 # %%
 no_is = get("minirl_no_is")
 no_is_off = moments(mdp, pi_old, no_is, group_size=G, behavior=mu, old=pi_old, method=METHOD).mean
 no_is_on = moments(mdp, pi_old, no_is, group_size=G, behavior=pi_old, method=METHOD).mean
-print(f"relative shift: minirl {minirl_bias_answer:.4f}, minirl_no_is "
-      f"{float((no_is_off - no_is_on).norm() / no_is_on.norm()):.4f}")
+no_is_shift = float((no_is_off - no_is_on).norm() / no_is_on.norm())
+print(f"relative shift: minirl {minirl_bias_answer:.4f}, minirl_no_is {no_is_shift:.4f}: minirl keeps "
+      f"{minirl_bias_answer / no_is_shift:.2f} of it")
 
 # %% [markdown]
-# Most of it stays: the token weight removes about a sixth of the shift. Only a sequence-level
-# weight removes it all, at the price of the variance of section 5.
+# Most of it stays: the token weight removes about a sixth of the shift (it keeps 0.84). Only a
+# sequence-level weight removes it all, at the price of the variance of section 5.
 #
 # ## 5. Truncated and masked IS at three levels, against the cap
 #
@@ -368,21 +388,23 @@ references = {level: expected(rloo(c), mu_strong) for level, c in
 assert references["IS sequence"].bias.norm() < EXACT_TOL        # the exact correction
 
 # %%
-fig, (ax_b, ax_v) = plt.subplots(1, 2, figsize=(13, 4.4))
+# two panels stacked for the page's column width, one legend under both
+fig, (ax_b, ax_v) = plt.subplots(2, 1, figsize=(7.2, 8.4), sharex=True, layout="constrained")
 for (name, ms), style in zip(curves.items(), ["o-", "s-", "^-", "o--", "s--", "^--"]):
     ax_b.plot(CAPS, [m.relative_bias for m in ms], style, label=name)
     ax_v.plot(CAPS, [m.total_variance for m in ms], style, label=name)
 for (name, m), color in zip(references.items(), ["0.3", "C0", "C1"]):
-    ax_b.axhline(m.relative_bias, ls=":", color=color, label=name)
+    ax_b.axhline(m.relative_bias, ls=":", color=color, label=f"{name} (any cap)")
     ax_v.axhline(m.total_variance, ls=":", color=color, label=name)
 for ax in (ax_b, ax_v):
     ax.set_xscale("log")
     ax.minorticks_off()
     ax.set_xticks(CAPS, [f"{c:g}" for c in CAPS])
-finish(ax_b, title="Bias against the cap (σ = 0.8)", xlabel="cap C", ylabel="‖E ĝ − ∇J‖ / ‖∇J‖",
-       legend_fontsize=7)
+finish(ax_b, title="Bias against the cap (σ = 0.8)", xlabel="", ylabel="‖E ĝ − ∇J‖ / ‖∇J‖",
+       legend=False)
 finish(ax_v, title="Variance against the cap (σ = 0.8)", xlabel="cap C", ylabel="total variance tr Cov[ĝ]",
        legend=False)
+fig.legend(*ax_b.get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=9)
 plt.show()
 
 # %% [markdown]
@@ -476,11 +498,13 @@ plt.show()
 # ### Exercise 3 — the sequence ESS of a large batch
 #
 # *Predict*: for the engine $\sigma = 0.4$, is the large-batch $\mathrm{ESS}/n$ of the sequence
-# weights above or below 0.9? Then compute it from the exact $\chi^2$ per response, **without**
-# `chi_square` (use `sequence_logprobs` and `mdp.prompt_probs`).
+# weights above or below 0.9? Record it as `ess_prediction` (`"above"` or `"below"`). Then
+# compute it from the exact $\chi^2$ per response, **without** `chi_square` (use
+# `sequence_logprobs` and `mdp.prompt_probs`).
 
 # %%
 # Solution
+ess_prediction = "above"            # recorded before computing: "above" or "below"
 with torch.no_grad():
     second = (2 * sequence_logprobs(mdp, pi_old) - sequence_logprobs(mdp, mu)).exp()
 sequence_ess_answer = 1 / float((mdp.prompt_probs[mdp.terminal_prompt_index] * second).sum())
@@ -488,6 +512,7 @@ sequence_ess_answer = 1 / float((mdp.prompt_probs[mdp.terminal_prompt_index] * s
 # %%
 # Check
 tokenmdp.check("tr07_sequence_ess", sequence_ess_answer)
+tokenmdp.check("tr07_predict_sequence_ess", ess_prediction)
 
 # %% [markdown]
 # Above: 0.94. Per token it is 0.97. Neither looks alarming, yet the uncorrected bias at this

@@ -1,9 +1,11 @@
 """Right answers by another route, and plausible wrong ones, for the exercises of tutorials 1–5
-(merged into the ``RIGHT`` / ``WRONG`` tables of tests/course/exercises/test_exercises.py)."""
+(merged into the ``RIGHT`` / ``WRONG`` tables of tests/course/exercises/test_exercises.py), and
+the true option of each of their predictions (``PREDICT_01_05``)."""
 
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 
@@ -113,14 +115,16 @@ def _token_is_by_surrogate(distance=ex.TR03_STALE_DISTANCE, relative=True):
     return float(error / grad.norm()) if relative else float(error)
 
 
-def _tis_by_responses(with_baseline=True):
-    # Σ_x D(x) (E_μ[min(W, C) R σ] − E_μ[R] E_μ[min(W, C) σ]) − ∇J, by response
+def _tis_by_responses(with_baseline=True, cap=ex.TR03_CAP):
+    # Σ_x D(x) (E_μ[min(W, C) R σ] − E_μ[R] E_μ[min(W, C) σ]) − ∇J, by response (cap=None: no
+    # correction, every weight 1)
     mdp, pi = copy_task()
     mu = ex.tr03_engine(pi)
     scores = _scores(mdp, pi)
     with torch.no_grad():
         mu_N = sequence_probs(mdp, mu)
-        w_N = (sequence_logprobs(mdp, pi) - sequence_logprobs(mdp, mu)).exp().clamp(max=ex.TR03_CAP)
+        w_N = (torch.ones_like(mu_N) if cap is None else
+               (sequence_logprobs(mdp, pi) - sequence_logprobs(mdp, mu)).exp().clamp(max=cap))
     n, mean = mdp.responses_per_prompt, torch.zeros(scores.shape[1], dtype=torch.float64)
     for x in range(mdp.num_prompts):
         rows = slice(x * n, (x + 1) * n)
@@ -170,11 +174,12 @@ def _old_pass(replay):
         return compute_old_logprobs(model, batch, replay)
 
 
-def _mismatch_by_hand():
-    # the no-replay pass (R2's old pass routes by itself): compare sorted expert sets by hand
+def _mismatch_by_hand(replay="none"):
+    # the pass of `replay` against the engine, sorted expert sets compared by hand (the RIGHT
+    # answer for R2 uses the no-replay pass: R2's old pass routes by itself)
     from tokenmdp.rl.mismatch import ENGINE_ROUTING, OLD_ROUTING
 
-    old = _old_pass("none")
+    old = _old_pass(replay)
     a, b = old.token_extras[ENGINE_ROUTING], old.token_extras[OLD_ROUTING]
     both = (a >= 0).all(-1) & (b >= 0).all(-1)                    # [R, C, L]
     differ = (a.sort(-1).values != b.sort(-1).values).any(-1) & both
@@ -226,6 +231,67 @@ WRONG_01_05 = {
     "tr05_k1_estimate": _k1_wrong,
 }
 
-# The true option of each prediction (tr01_predict_*), by another route than the package's
-# (merged into PREDICT of tests/course/exercises/test_predictions.py).
-PREDICT_01_05: dict = {}
+# ---------------------------------------------------------------------- predictions
+def _uniform_above_seeded():
+    mdp, policy = copy_task()
+    seeded = float(_weights(mdp, policy) @ mdp.rewards)              # Σ D(x) π(y|x) R, by response
+    return "above" if _uniform_by_lengths() > seeded else "below"
+
+
+def _grpo_scale_side():
+    c = 0.5 / statistics.stdev([1.0, 0.0])                  # the pair (1, 0): ±½ over its sample std
+    return "equal" if math.isclose(c, 1.0) else "smaller" if c < 1 else "larger"
+
+
+def _baseline_side():
+    mdp, _, w, _ = _tr02_arrays()
+    return "above" if _baseline_by_scores() > float(w @ mdp.rewards) else "below"
+
+
+def _token_is_nearer():
+    low, middle, high = (_token_is_by_surrogate(distance=d)
+                         for d in (1.0, ex.TR03_STALE_DISTANCE, 2.0))
+    return "a" if abs(middle - low) < abs(middle - high) else "b"
+
+
+def _rloo_token_mean_vector():
+    # E[A_1 σ_1/|y_1|] over independent pairs (y_1, y_2) of the single prompt, by response
+    mdp, policy = ex.tr04_world()
+    scores, w = _scores(mdp, policy), _weights(mdp, policy)
+    lengths = torch.tensor([len(y) for _, y in mdp.responses()], dtype=torch.float64)
+    j = float(w @ mdp.rewards)
+    mean = (w * (mdp.rewards - j) / lengths) @ scores
+    candidates = {"a": w * mdp.rewards @ scores, "b": _rloo_token_mean_vector_closed(j),
+                  "c": (ex.TR04_GROUP - 1) / ex.TR04_GROUP * _rloo_token_mean_vector_closed(j)}
+    near = [k for k, v in candidates.items() if float((mean - v).abs().max()) < 1e-10]
+    assert len(near) == 1, near
+    return near[0]
+
+
+def _rloo_token_mean_vector_closed(j):
+    mdp, policy = ex.tr04_world()
+    return flat_grad(length_normalized_objective(mdp, policy, baseline=j), policy)
+
+
+def _r2_reproduces():
+    r2, none, r3 = (_mismatch_by_hand(replay) for replay in ("r2", "none", "r3"))
+    return "a" if r2 == none else "b" if r2 == r3 else "c"
+
+
+# The true option of each prediction (tr01_predict_* … tr05_predict_*), by another route than the
+# package's (merged into PREDICT of tests/course/exercises/test_predictions.py).
+PREDICT_01_05 = {
+    "tr01_predict_uniform_objective": _uniform_above_seeded,
+    "tr01_predict_constant_reward_gradient":
+        lambda: "zero" if _constant_by_enumerated_reinforce() < 1e-10 else "nonzero",
+    "tr02_predict_grpo_scale_g2": _grpo_scale_side,
+    "tr02_predict_baseline_vs_j": _baseline_side,
+    "tr03_predict_token_is_bias": _token_is_nearer,
+    "tr03_predict_tis_vs_no_correction":
+        lambda: "smaller" if _tis_by_responses() < _tis_by_responses(cap=None) else "larger",
+    "tr04_predict_constant_scale_g3":
+        lambda: "larger" if _constant_scale(g=3) > _constant_scale(g=2) else "smaller",
+    "tr04_predict_rloo_token_mean_vector": _rloo_token_mean_vector,
+    "tr05_predict_k1_sign": lambda: "positive" if _k1_by_hand() > 0 else "negative",
+    "tr05_predict_r2_mismatch": _r2_reproduces,
+}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -87,6 +88,7 @@ def _expected_gradient_by_pairs(mdp, old, sampler, estimator):
     return mean
 
 
+@functools.cache             # about 15 s a name; RIGHT_07 and PREDICT_07 share it
 def _shift_by_pairs(name):
     mdp, old, mu = ex.tr07_engine()
     estimator = get(name)
@@ -103,6 +105,11 @@ def _minirl_bias_wrong_answers():
             "√χ² per response": math.sqrt(float(chi_square(mdp, old, mu)))}
 
 
+def _nearest_share(kept):
+    # "zero", "half" or "all" of minirl_no_is's shift: the nearest of 0, 1/2, 1
+    return "zero" if kept < 0.25 else "half" if kept < 0.75 else "all"
+
+
 RIGHT_07 = {
     "tr07_token_chi2": _token_chi2_by_responses,
     "tr07_minirl_bias": lambda: _shift_by_pairs("minirl"),
@@ -116,4 +123,12 @@ WRONG_07 = {
 
 # The true option of each prediction (tr07_predict_*), by another route than the package's
 # (merged into PREDICT of tests/course/exercises/test_predictions.py).
-PREDICT_07: dict = {}
+PREDICT_07 = {
+    # token by token against response by response, both in Python floats
+    "tr07_predict_token_chi2": lambda: (
+        "larger" if _token_chi2_by_responses() > _sequence_second_moment() - 1 else "smaller"),
+    # the two shifts by autograd over every pair: the share of minirl_no_is's that minirl keeps
+    "tr07_predict_minirl_bias": lambda: _nearest_share(
+        _shift_by_pairs("minirl") / _shift_by_pairs("minirl_no_is")),
+    "tr07_predict_sequence_ess": lambda: "above" if 1 / _sequence_second_moment() > 0.9 else "below",
+}

@@ -17,12 +17,18 @@ from tests.course.exercises.answers_07 import PREDICT_07
 from tests.course.exercises.answers_08 import PREDICT_08
 from tests.course.exercises.answers_09 import PREDICT_09
 from tests.course.exercises.answers_10 import PREDICT_10
-from tests.course.exercises.test_exercises import _gap_by_lemma
+from tests.course.exercises.test_exercises import RIGHT, _gap_by_lemma
 from tokenmdp.course import exercises
 from tokenmdp.course.exercises.registry import _prediction
 
 PREDICT_06 = {
     "tr06_predict_gap_sign": lambda: "above" if _gap_by_lemma() > 0 else "below",
+    # the clip fraction by loops over pairs, the option within a factor √10 of it
+    "tr06_predict_clip_share": lambda: next(
+        option for option, share in (("0.5%", 0.005), ("5%", 0.05), ("50%", 0.5))
+        if 10 ** -0.5 < RIGHT["tr06_clip_fraction"]() / share < 10 ** 0.5),
+    # the cosine of E[ĝ] summed over every pair by autograd of the library's loss
+    "tr06_predict_gspo_sign": lambda: "negative" if RIGHT["tr06_gspo_cosine"]() < 0 else "positive",
 }
 PREDICT = {**PREDICT_01_05, **PREDICT_06, **PREDICT_07, **PREDICT_08, **PREDICT_09, **PREDICT_10}
 

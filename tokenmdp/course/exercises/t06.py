@@ -3,10 +3,13 @@
 
 The setup is the tutorial's: the course's MDP and policy (:func:`tokenmdp.course.setups.copy_task`)
 as ``π_old`` and ``π`` one step along ``∇J(π_old)``; the expected values are an exact ``J``
-against the surrogate, PPO's exact clip fraction and GSPO's exact cosine.
+against the surrogate, PPO's exact clip fraction and GSPO's exact cosine; the true option of
+each prediction (``tr06_predict_*``) is read off the same exact value.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -25,6 +28,8 @@ TR06_STALE_STEP = 0.5
 TR06_EPS = 0.2
 #: GSPO's band ``[1 − 3e-4, 1 + 4e-4]`` (arXiv 2507.18071).
 TR06_GSPO_EPS_LOW, TR06_GSPO_EPS_HIGH = 3e-4, 4e-4
+#: The options of the clip-share prediction and the shares they name (an order of magnitude).
+TR06_CLIP_SHARES = {"0.5%": 0.005, "5%": 0.05, "50%": 0.5}
 
 
 def _tr06_pair(step: float):
@@ -65,6 +70,18 @@ def _tr06_clip_fraction() -> float:
     return ppo_clip_fraction(mdp, pi, old, eps_low=TR06_EPS, eps_high=TR06_EPS)
 
 
+@_prediction("tr06_predict_clip_share",
+             question="One step of length 0.5 from π_old, data from π_old: is the share of "
+                      "tokens that PPO (ε = 0.2) clips closer to 0.5%, 5% or 50%?",
+             options=tuple(TR06_CLIP_SHARES),
+             hint="A token is clipped only when its ratio π/π_old has left [0.8, 1.2] in the "
+                  "direction of its advantage: compare how much a step this small in KL moves one "
+                  "token's probability with ε = 0.2.")
+def _tr06_predict_clip_share() -> str:
+    share = expected("tr06_clip_fraction")        # the nearest option on a log scale
+    return min(TR06_CLIP_SHARES, key=lambda option: abs(math.log(share / TR06_CLIP_SHARES[option])))
+
+
 def tr06_estimator(surrogate_part: Surrogate) -> Estimator:
     """Tutorial 6's estimator with ``surrogate_part``: leave-one-out advantage (``G = 2``:
     ``Â_1 = R_1 − R_2``), sequence-mean of token sums (loss weight ``1/S``), no correction.
@@ -95,3 +112,14 @@ def _tr06_gspo_cosine() -> float:
     gspo = GSPO(eps_low=TR06_GSPO_EPS_LOW, eps_high=TR06_GSPO_EPS_HIGH)
     return moments(mdp, pi, tr06_estimator(gspo), group_size=2, behavior=old,
                    method="enumeration").cosine
+
+
+@_prediction("tr06_predict_gspo_sign",
+             question="One step of length 0.5 from π_old, data from π_old: is the cosine between "
+                      "GSPO's expected gradient (band [1 − 3e-4, 1 + 4e-4]) and ∇J positive or "
+                      "negative?",
+             options=("positive", "negative"),
+             hint="Ask which sequences keep a gradient once almost every sequence ratio has left "
+                  "the band, and which way each of them pushes its own probability.")
+def _tr06_predict_gspo_sign() -> str:
+    return "positive" if expected("tr06_gspo_cosine") > 0 else "negative"

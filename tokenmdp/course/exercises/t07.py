@@ -4,14 +4,15 @@ The setup is the tutorial's: the course's MDP and policy (:func:`tokenmdp.course
 ``π_old``, and an inference engine ``μ`` that sees the same logits plus a fixed Gaussian
 perturbation of standard deviation ``TR07_NOISE_STD`` (seed ``TR07_NOISE_SEED``). The expected
 values come from :func:`tokenmdp.exact.world.chi_square.chi_square` and exact ``moments``; the student
-sums over states or calls ``moments`` in the tutorial, the tests take a third route.
+sums over states or calls ``moments`` in the tutorial, the tests take a third route. The true
+option of each prediction (``tr07_predict_*``) is read off the same exact values.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise
+from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise, _prediction, expected
 from tokenmdp.course.setups import copy_task
 from tokenmdp.estimators import get
 from tokenmdp.exact import inference_copy, moments
@@ -25,6 +26,10 @@ TR07_NOISE_STD = 0.4
 TR07_NOISE_SEED = 1
 #: Responses per prompt in tutorial 7.
 TR07_GROUP_SIZE = 2
+#: The options of the MiniRL prediction: the share of ``minirl_no_is``'s shift that ``minirl`` keeps.
+TR07_KEPT_SHARES = {"zero": 0.0, "half": 0.5, "all": 1.0}
+#: The threshold of the sequence-ESS prediction.
+TR07_ESS_THRESHOLD = 0.9
 
 
 def tr07_engine(noise_std: float = TR07_NOISE_STD):
@@ -81,6 +86,18 @@ def _tr07_token_chi2() -> float:
     return float(chi_square(mdp, old, mu, level="token"))
 
 
+@_prediction("tr07_predict_token_chi2",
+             question="For the engine σ = 0.4, is the per-token χ²(π_old ‖ μ) larger or smaller "
+                      "than the per-response one?",
+             options=("larger", "smaller"),
+             hint="A response's weight is the product of its tokens' weights, so its second moment "
+                  "compounds over the tokens of the response.")
+def _tr07_predict_token_chi2() -> str:
+    mdp, old, mu = tr07_engine()
+    per_response = float(chi_square(mdp, old, mu, level="sequence"))
+    return "larger" if expected("tr07_token_chi2") > per_response else "smaller"
+
+
 @_exercise("tr07_minirl_bias",
            quantity="the relative deviation ‖E_μ ĝ − E_π_old ĝ‖/‖E_π_old ĝ‖ of the minirl "
                     "estimator (token TIS at 5), G = 2, μ = π_old + N(0, 0.4²) logit noise "
@@ -94,6 +111,18 @@ def _tr07_minirl_bias() -> float:
     return tr07_relative_deviation(mdp, old, mu, get("minirl"))
 
 
+@_prediction("tr07_predict_minirl_bias",
+             question="For the engine σ = 0.4 at π_θ = π_old, is minirl's relative shift closer to "
+                      "zero, to half of minirl_no_is's or to all of minirl_no_is's?",
+             options=tuple(TR07_KEPT_SHARES),
+             hint="A token-level weight corrects the action probabilities at each state μ visits, "
+                  "not which states μ visits (tutorial 3, section 2).")
+def _tr07_predict_minirl_bias() -> str:
+    mdp, old, mu = tr07_engine()
+    kept = expected("tr07_minirl_bias") / tr07_relative_deviation(mdp, old, mu, get("minirl_no_is"))
+    return min(TR07_KEPT_SHARES, key=lambda option: abs(kept - TR07_KEPT_SHARES[option]))
+
+
 @_exercise("tr07_sequence_ess",
            quantity="the large-batch normalized ESS of the sequence weights W = π_old(y|x)/μ(y|x), "
                     "μ = π_old + N(0, 0.4²) logit noise (tutorial 7, exercise 3)",
@@ -103,3 +132,13 @@ def _tr07_minirl_bias() -> float:
 def _tr07_sequence_ess() -> float:
     mdp, old, mu = tr07_engine()
     return float(1 / (1 + chi_square(mdp, old, mu, level="sequence")))
+
+
+@_prediction("tr07_predict_sequence_ess",
+             question="For the engine σ = 0.4, is the large-batch ESS/n of the sequence weights "
+                      "above or below 0.9?",
+             options=("above", "below"),
+             hint="ESS/n tends to 1/(1 + χ²) with the χ² of whole responses: read that χ² from "
+                  "section 1's table.")
+def _tr07_predict_sequence_ess() -> str:
+    return "above" if expected("tr07_sequence_ess") > TR07_ESS_THRESHOLD else "below"
