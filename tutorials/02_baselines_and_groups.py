@@ -205,8 +205,8 @@ exact = t02.ExactCache(mdp, policy, ESTIMATORS)   # exact(name, G): moments, com
 # $\mathbb{E}[(R - b(x))\,\sigma \mid x] = g_x - b(x)\,\mathbb{E}[\sigma\mid x] = g_x$.
 #
 # Its variance has a closed form. Given $x$, the $G$ terms are i.i.d. with mean $g_x$, so
-# $\mathbb{E}[\|\hat g\|^2 \mid x] = \frac1G \mathbb{E}[(R-b)^2\|\sigma\|^2 \mid x]
-# + \left(1 - \frac1G\right)\|g_x\|^2$, and averaging over prompts,
+# $\mathbb{E}[\|\hat g\|^2 \mid x] = \frac1G \mathbb{E}[(R-b)^2\|\sigma\|^2 \mid x] +
+# \left(1 - \frac1G\right)\|g_x\|^2$, and averaging over prompts,
 #
 # $$
 # \operatorname{tr}\operatorname{Cov}[\hat g]

@@ -290,10 +290,8 @@ for sequences, S_counted in ((SequenceCount.SAMPLED, 3), (SequenceCount.WITH_LOS
 # * **constant** ($w_i = 1/(G L)$): $\mathbb{E}[\hat g] = \frac{G-1}{G L}\,\nabla J$;
 # * **seq-mean-token-mean** ($w_i = 1/(G|y_i|)$): the same computation with $R$ replaced by
 #   $R/|y|$ and the baseline by $J/|y|$ gives
-#   $$
-#   \mathbb{E}[\hat g] = \frac{G-1}{G}\, \nabla_\theta\,
-#   \mathbb{E}_{y\sim\pi_\theta}\!\left[\frac{R(y) - b}{|y|}\right]\Big|_{b = J},
-#   $$
+#   $\mathbb{E}[\hat g] = \frac{G-1}{G}\, \nabla_\theta\,
+#   \mathbb{E}_{y\sim\pi_\theta}\!\left[\frac{R(y) - b}{\lvert y\rvert}\right]\Big|_{b = J}$,
 #   the gradient of a **different objective**, the reward per token, with the baseline $b = J$
 #   held fixed while differentiating;
 # * **token-mean** ($w_i = 1/\sum_j |y_j|$): the normalizer is random and shared by the group, so
