@@ -165,5 +165,5 @@ def test_only_loopback_counts_as_local():
     assert browser_check._is_loopback("data:image/png;base64,AAAA")
     assert not browser_check._is_loopback("https://cdn.example/x.js")
     assert not browser_check._is_loopback("http://localhost:8000/x.js")
-    assert browser_check._proxy_host("CONNECT fonts.example:443 HTTP/1.1") == "fonts.example"
-    assert browser_check._proxy_host("GET http://1.2.3.4/x HTTP/1.1") == "1.2.3.4"
+    assert browser_check.proxy_host("CONNECT fonts.example:443 HTTP/1.1") == "fonts.example"
+    assert browser_check.proxy_host("GET http://1.2.3.4/x HTTP/1.1") == "1.2.3.4"

@@ -18,7 +18,8 @@ DevTools protocol's ``Network.requestWillBeSent`` events of each page, and that 
 sees requests the page's workers or the browser itself would make). Styles, images and MathJax
 are measured by a script evaluated in the page (DevTools ``Runtime.evaluate``) once MathJax's
 typesetting, the fonts and the images are done. The DevTools protocol runs over
-``--remote-debugging-pipe``: the standard library only.
+``--remote-debugging-pipe``: the standard library only (the browser and the proxy:
+``headless.py`` beside this file).
 
 Run after the build: ``python docs/_ext/browser_check.py docs/_build/html`` (the test suite does,
 ``tests/test_docs_browser.py``). Exits 1 with one line per problem.
@@ -26,21 +27,24 @@ Run after the build: ``python docs/_ext/browser_check.py docs/_build/html`` (the
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import http.server
-import json
-import os
-import select
-import shutil
-import socketserver
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from headless import (  # noqa: F401  (find_chromium: part of this module's interface)
+    BROWSER_SERVICES,
+    Browser,
+    BrowserError,
+    DeadEndProxy,
+    QuietHandler,
+    find_chromium,
+    proxy_host,
+    serve,
+)
 
 #: The pages checked: (path in the site, whether it must show formulas). One of each kind: the
 #: front page, getting started, a concept page, two executed tutorials (tables, figures, math),
@@ -59,14 +63,6 @@ PAGE_TIMEOUT = 60.0
 #: The least horizontal space (CSS px) around a cell's text: its left and right padding, plus the
 #: table's border-spacing. An unstyled table has 1 + 1 + 2 = 4 px, its columns' texts run together.
 MIN_CELL_SPACE = 6.0
-CHROMIUM = ("chromium", "chromium-browser")
-#: Debian's browser itself: ``/usr/bin/chromium`` is a shell script that adds Google's API keys and
-#: remote extensions to the command line, which make the browser call its services at start.
-DEBIAN_CHROMIUM = Path("/usr/lib/chromium/chromium")
-#: Hosts the browser calls by itself (sign-in, search) whatever the page: the dead-end proxy
-#: answers them 403 and does not report them. A page asking them is still reported (DevTools).
-BROWSER_SERVICES = (".google.com",)
-
 # Runs in the page once it loaded: waits for MathJax, the images and the fonts, then measures.
 PROBE = r"""
 (async () => {
@@ -145,191 +141,6 @@ PROBE = r"""
           unrendered, errors, raw, tables, images};
 })()
 """.replace("%MIN%", repr(MIN_CELL_SPACE))
-
-
-class BrowserError(RuntimeError):
-    """The browser could not be started or stopped answering."""
-
-
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
-class _DeadEndProxy(socketserver.ThreadingTCPServer):
-    """Where the browser sends every non-loopback request: records its first line, answers 403."""
-
-    daemon_threads = True
-
-    def __init__(self):
-        self.seen: list[str] = []
-        super().__init__(("127.0.0.1", 0), _DeadEndHandler)
-
-
-class _DeadEndHandler(socketserver.StreamRequestHandler):
-    def handle(self):
-        self.connection.settimeout(5)
-        try:
-            line = self.rfile.readline(4096).decode("latin-1").strip()
-        except OSError:
-            return
-        if line:
-            self.server.seen.append(line)
-        try:
-            self.wfile.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-        except OSError:
-            pass
-
-
-def _serve(server: socketserver.BaseServer) -> threading.Thread:
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    return thread
-
-
-def _high(fd: int) -> int:
-    """``fd`` moved to a number above 9 (close-on-exec, as ``os.pipe`` makes them)."""
-    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
-    os.close(fd)
-    return high
-
-
-def find_chromium() -> str | None:
-    """The browser to drive: Debian's binary behind its ``chromium`` launcher when it is there,
-    else ``chromium`` (or ``chromium-browser``) on the PATH; None without either."""
-    for name in CHROMIUM:
-        if path := shutil.which(name):
-            return str(DEBIAN_CHROMIUM) if DEBIAN_CHROMIUM.is_file() else path
-    return None
-
-
-class Browser:
-    """Headless Chromium driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``:
-    the browser reads commands on its fd 3 and writes answers on its fd 4, NUL-terminated JSON)."""
-
-    def __init__(self, binary: str, proxy_port: int, profile: Path):
-        # the pipes' fds above 9, so that putting them on 3 and 4 in the child clobbers neither
-        to_chrome_r, self._w, self._r, from_chrome_w = (_high(fd) for pair in (os.pipe(), os.pipe())
-                                                        for fd in pair)
-        flags = [
-            "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-            f"--user-data-dir={profile}", "--no-first-run", "--no-default-browser-check",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--disable-extensions", "--disable-default-apps", "--disable-breakpad",
-            "--disable-features=Translate,OptimizationHints,MediaRouter,NetworkTimeServiceQuerying,"
-            "AutofillServerCommunication,PreconnectToSearch,CertificateTransparencyComponentUpdater",
-            "--disable-client-side-phishing-detection", "--disable-domain-reliability",
-            "--no-pings", "--disable-dev-shm-usage",
-            "--metrics-recording-only", "--mute-audio", "--hide-scrollbars",
-            "--window-size=1280,900", "--lang=en-US",
-            # nothing but 127.0.0.1: no host name resolves, and whatever is not loopback (an IP
-            # address too) goes to the dead-end proxy (loopback bypasses a proxy by default)
-            '--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1',
-            f"--proxy-server=http://127.0.0.1:{proxy_port}",
-            "about:blank",
-        ]
-        # bash (dash takes one-digit fds only) puts the pipe's ends on fds 3 and 4, then becomes
-        # the browser
-        script = f'exec "$0" "$@" 3<&{to_chrome_r} 4>&{from_chrome_w} {to_chrome_r}<&- {from_chrome_w}>&-'
-        self._log = open(profile / "chromium.log", "w+b")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(["bash", "-c", script, binary, *flags],
-                                     pass_fds=(to_chrome_r, from_chrome_w),
-                                     stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        os.close(to_chrome_r)
-        os.close(from_chrome_w)
-        self._buffer = b""
-        self._next_id = 0
-        self._answers: dict[int, dict] = {}
-        self.events: list[dict] = []
-
-    def _log_tail(self) -> str:
-        self._log.seek(0)
-        lines = [line for line in self._log.read().decode(errors="replace").splitlines()
-                 if line.strip()]
-        return " | ".join(lines[-3:])
-
-    def _pump(self, timeout: float) -> None:
-        """Read what the browser wrote within ``timeout`` seconds; sort answers from events."""
-        ready, _, _ = select.select([self._r], [], [], max(timeout, 0))
-        if not ready:
-            return
-        chunk = os.read(self._r, 1 << 20)
-        if not chunk:
-            raise BrowserError(f"chromium exited ({self.proc.poll()}): {self._log_tail()}")
-        self._buffer += chunk
-        *messages, self._buffer = self._buffer.split(b"\0")
-        for raw in messages:
-            message = json.loads(raw)
-            if "id" in message:
-                self._answers[message["id"]] = message
-                continue
-            self.events.append(message)
-            if message.get("method") == "Target.attachedToTarget":
-                # a worker or a frame of the page: record its requests too, then let it run
-                child = message["params"]["sessionId"]
-                self._send("Network.enable", {}, child)
-                self._send("Runtime.runIfWaitingForDebugger", {}, child)
-
-    def _send(self, method: str, params: dict, session: str | None) -> int:
-        self._next_id += 1
-        message = {"id": self._next_id, "method": method, "params": params}
-        if session:
-            message["sessionId"] = session
-        data = json.dumps(message).encode() + b"\0"
-        while data:
-            data = data[os.write(self._w, data):]
-        return self._next_id
-
-    def call(self, method: str, params: dict | None = None, session: str | None = None,
-             timeout: float = 30.0) -> dict:
-        """Send one command and wait for its answer (its ``result``)."""
-        number = self._send(method, params or {}, session)
-        deadline = time.monotonic() + timeout
-        while number not in self._answers:
-            if time.monotonic() > deadline:
-                raise BrowserError(f"{method}: no answer in {timeout:.0f} s")
-            self._pump(deadline - time.monotonic())
-        answer = self._answers.pop(number)
-        if "error" in answer:
-            raise BrowserError(f"{method}: {answer['error'].get('message')}")
-        return answer.get("result", {})
-
-    def wait_event(self, method: str, session: str, timeout: float) -> dict | None:
-        """The first buffered or coming event ``method`` of ``session``, or None after timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for event in self.events:
-                if event.get("method") == method and event.get("sessionId") == session:
-                    return event
-            if time.monotonic() > deadline:
-                return None
-            self._pump(min(0.5, deadline - time.monotonic()))
-
-    def settle(self, quiet: float = 0.5, limit: float = 5.0) -> None:
-        """Read events until none came for ``quiet`` seconds (at most ``limit`` seconds)."""
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            before = len(self.events)
-            end = min(time.monotonic() + quiet, deadline)
-            while time.monotonic() < end:
-                self._pump(end - time.monotonic())
-            if len(self.events) == before:
-                return
-
-    def close(self) -> None:
-        try:
-            self.call("Browser.close", timeout=5)
-        except (BrowserError, OSError):
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)  # the browser's own process group (start_new_session)
-            self.proc.wait()
-        for fd in (self._r, self._w):
-            os.close(fd)
-        self._log.close()
 
 
 def _is_loopback(url: str) -> bool:
@@ -415,12 +226,12 @@ def check(site: Path, pages: list[tuple[str, bool]] | None = None,
     pages = [(page, math) for page, math in pages if (site / page).is_file()]
     if not pages:
         return problems
-    handler = functools.partial(_Quiet, directory=str(site))
+    handler = functools.partial(QuietHandler, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
-    proxy = _DeadEndProxy()
-    _serve(server)
-    _serve(proxy)
+    proxy = DeadEndProxy()
+    serve(server)
+    serve(proxy)
     base = f"http://127.0.0.1:{server.server_address[1]}"
     with tempfile.TemporaryDirectory(prefix="browser_check_") as profile:
         browser = Browser(binary, proxy.server_address[1], Path(profile))
@@ -438,7 +249,7 @@ def check(site: Path, pages: list[tuple[str, bool]] | None = None,
                 found = _check_page(browser, session, base, page, wants_math)
                 reported = " ".join(found)
                 for line in proxy.seen[seen:]:
-                    host = _proxy_host(line)
+                    host = proxy_host(line)
                     if host in reported or host.endswith(BROWSER_SERVICES):
                         continue  # reported from the page's own requests, or the browser's
                     found.append(f"{page}: the browser tried the network: {line[:120]}")
@@ -453,16 +264,6 @@ def check(site: Path, pages: list[tuple[str, bool]] | None = None,
             server.server_close()
             proxy.server_close()
     return problems
-
-
-def _proxy_host(line: str) -> str:
-    """The host of a proxied request line (``CONNECT host:443 ...`` or ``GET http://host/...``)."""
-    parts = line.split()
-    target = parts[1] if len(parts) > 1 else line
-    if "://" in target:
-        return urlsplit(target).hostname or target
-    return target.rsplit(":", 1)[0]
-
 
 
 if __name__ == "__main__":
