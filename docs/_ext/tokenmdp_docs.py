@@ -162,8 +162,9 @@ def write_estimator_cards(live: bool) -> None:
         _write(out / f"{name}.md", cards.card_markdown(name, rows.get(name)), keep)
     lines = ["# Estimator cards", "",
              "One card per entry of the registry ({py:func}`tokenmdp.estimators.names`),",
-             "generated from the registry itself when this site was built: summary, formula,",
-             "paper, components and defaults, the names other frameworks use, and the exact",
+             "generated from the registry itself when this site was built: summary, the loss",
+             "as math composed from the estimator's parts (with the registry's plain-text",
+             "formula), paper, components and defaults, the names other frameworks use, and the exact",
              "figures on the reference MDP. The same card in a terminal:",
              "`tokenmdp estimators NAME`.", ""]
     if live:

@@ -7,7 +7,8 @@ needs, the names other frameworks use, and one live row of exact figures on the 
 
 * :func:`reference_rows` — relative bias, cosine, total variance, MSE, ``c*`` and ``MSE(c*)``;
 * :func:`card_text` — the card for a terminal (``tokenmdp estimators NAME``);
-* :func:`card_markdown` — the card as a MyST-Markdown page for the documentation.
+* :func:`card_markdown` — the card as a MyST-Markdown page for the documentation, its formula
+  also as math (:mod:`~tokenmdp.reports.card_math`; the terminal card keeps the plain text).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 
 from tokenmdp import estimators
+from tokenmdp.reports.card_math import NOTATION, math_block
 from tokenmdp.reports.comparison import LEGEND, Setup, build_lab, describe_scenario, timed_row
 
 __all__ = ["REFERENCE", "Reference", "card_markdown", "card_text", "reference_rows"]
@@ -207,9 +209,11 @@ def _cell(text: str) -> str:
 def card_markdown(name: str, row: Mapping | None = None) -> str:
     """The card of estimator ``name`` as a MyST-Markdown page (for ``docs/estimators/``).
 
-    A ``# name`` title, the summary, the formula as a ``text`` code block (the registry's formulas
-    are Unicode, not LaTeX), the paper, a components table, the other names and, when ``row`` is
-    given, the reference row as a table with a sentence saying what the reference MDP is.
+    A ``# name`` title, the summary, the loss as a ``$$`` math block composed from the estimator's
+    parts (:func:`~tokenmdp.reports.card_math.math_block`, rendered by MathJax) with a sentence
+    on its notation, the registry's formula as a ``text`` code block (Unicode, as the terminal
+    card prints it), the paper, a components table, the other names and, when ``row`` is given,
+    the reference row as a table with a sentence saying what the reference MDP is.
 
     Parameters
     ----------
@@ -224,7 +228,9 @@ def card_markdown(name: str, row: Mapping | None = None) -> str:
         The page's MyST-Markdown source, ending with a newline.
     """
     doc = _docstring_parts(name)
-    md = [f"# {name}", "", doc["summary"], "", "```text", doc["formula"], "```", "",
+    md = [f"# {name}", "", doc["summary"], "", math_block(name), "",
+          f"{NOTATION} The registry's formula in plain text:", "",
+          "```text", doc["formula"], "```", "",
           f"**Paper:** {doc['paper']}", "", "## Components", "",
           "| part | what it does | hyperparameters |", "| --- | --- | --- |"]
     for part, text, setting in _components(name):
