@@ -113,4 +113,11 @@ WRONG_10 = {
 
 # The true option of each prediction (tr10_predict_*), by another route than the package's
 # (merged into PREDICT of tests/course/exercises/test_predictions.py).
-PREDICT_10: dict = {}
+PREDICT_10 = {
+    "tr10_predict_sampled_step": lambda: "more" if _one_update_J() > _one_update_J("expected")
+    else "less",
+    "tr10_predict_keep_share": lambda: min(ex.TR10_KEEP_SHARES, key=lambda share: abs(
+        ex.TR10_KEEP_SHARES[share] - _keep_probability())),
+    "tr10_predict_wider_band": lambda: "yes" if _stacked_multisets_cosine(ex.tr10_prorl()) >
+    _stacked_multisets_cosine(ex.tr10_prorl(eps_high=ex.TR10_DAPO_EPS_HIGH)) else "no",
+}

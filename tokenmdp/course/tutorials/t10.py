@@ -4,17 +4,18 @@
 * :func:`family` and :func:`correction_twin` — how the registry's entries group: a variant
   ``base_suffix`` belongs to the family ``base``; a variant that differs from its base only in
   the training–inference correction is its base's *twin* wherever ``μ = π_old``;
-* :func:`zoo_runs` and :func:`zoo_moments` — :func:`~tokenmdp.exact.analysis.training.train_exact` and
+* :func:`zoo_runs`, :func:`zoo_seeds` and :func:`zoo_moments` —
+  :func:`~tokenmdp.exact.analysis.training.train_exact` (on one seed, or on several) and
   :func:`~tokenmdp.exact.moments` of every entry in every scenario, a twin reusing its base's
   result where the correction factor ``π_old/μ`` is exactly 1;
-* :func:`summary_rows`, :func:`curves_figure`, :func:`prediction_figure` — the summary table,
-  the ``J`` curves and the exact cosine against the final ``J``;
-* :func:`monte_carlo_objective`, :func:`monte_carlo_figure` — what an evaluation by sampling
-  would have shown of a run;
+* :func:`final_objectives`, :func:`seed_noise`, :func:`summary_rows` — the final ``J`` of every
+  seed, the seed-to-seed noise of each scenario, and the summary table of seed means;
+* :func:`monte_carlo_objective` — what an evaluation by sampling would have shown of a run;
 * :func:`part_differences` — the parts in which two compositions differ (the checklist's
   "which registry entry is this closest to").
 
-Each function computes only what the tutorial shows.
+The figures are :mod:`~tokenmdp.course.tutorials.t10_figures`'. Each function computes only what
+the tutorial shows.
 """
 
 from __future__ import annotations
@@ -22,17 +23,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-import matplotlib.pyplot as plt
 import torch
 
 from tokenmdp import estimators
-from tokenmdp.course.display import finish
 from tokenmdp.estimators import Estimator
 from tokenmdp.exact import moments, sample, train_exact
 
-__all__ = ["Budget", "correction_twin", "curves_figure", "family", "monte_carlo_figure",
-           "monte_carlo_objective", "part_differences", "prediction_figure", "summary_rows",
-           "zoo_moments", "zoo_runs"]
+__all__ = ["Budget", "correction_twin", "family", "final_objectives", "monte_carlo_objective",
+           "part_differences", "seed_noise", "summary_rows", "zoo_moments", "zoo_runs",
+           "zoo_seeds"]
 
 #: The parts of an :class:`~tokenmdp.estimators.Estimator`, in the checklist's order.
 PARTS = ("surrogate", "correction", "advantage", "aggregation", "kl")
@@ -202,17 +201,110 @@ def zoo_moments(mdp, names: Sequence[str], pairs: Mapping[str, dict], group_size
     return out
 
 
-def summary_rows(names: Sequence[str], runs: Mapping, exact: Mapping, scenarios: Sequence[str]
+def zoo_seeds(mdp, policy, names: Sequence[str], scenarios: Mapping[str, dict], budget: Budget,
+              seeds: Sequence[int], reference) -> list[dict[tuple[str, str], object]]:
+    """:func:`zoo_runs` once per seed: the same budget, each seed's own batches.
+
+    Parameters
+    ----------
+    mdp, policy, names, scenarios, budget, reference
+        As for :func:`zoo_runs` (``budget.seed`` is replaced by each seed).
+    seeds : sequence of int
+        The seeds of the batch generators.
+
+    Returns
+    -------
+    list of dict
+        One :func:`zoo_runs` result per seed, in ``seeds`` order.
+    """
+    return [zoo_runs(mdp, policy, names, scenarios, dataclasses.replace(budget, seed=seed),
+                     reference) for seed in seeds]
+
+
+def final_objectives(zoo: Sequence[Mapping]) -> dict[tuple[str, str], torch.Tensor]:
+    """The final exact ``J`` of every run of :func:`zoo_seeds`, one value per seed.
+
+    Parameters
+    ----------
+    zoo : sequence of mapping
+        :func:`zoo_seeds`' result.
+
+    Returns
+    -------
+    dict
+        ``(name, scenario) → Tensor [seeds]`` (float64).
+    """
+    return {key: torch.tensor([runs[key].final_objective for runs in zoo], dtype=torch.float64)
+            for key in zoo[0]}
+
+
+def _distinct(runs: Mapping, keys: Sequence[tuple]) -> list[tuple]:
+    """The first of ``keys`` (tuples of run keys) for each distinct tuple of run objects (a twin
+    shares its base's run)."""
+    seen, out = set(), []
+    for key in keys:
+        ident = tuple(id(runs[k]) for k in key)
+        if ident not in seen:
+            seen.add(ident)
+            out.append(key)
+    return out
+
+
+def seed_noise(zoo: Sequence[Mapping], scenarios: Sequence[str]) -> list[tuple]:
+    """The seed-to-seed noise of each scenario, pooled over its distinct runs.
+
+    For each scenario: the number of distinct runs, the pooled seed standard deviation of the
+    final ``J`` (the root of the mean over distinct runs of the seed variance, ``n − 1``
+    denominator) and the standard error of a seed mean (``sd/√n``); for each scenario after the
+    first, the same two numbers for ``ΔJ``, the final ``J`` minus the first scenario's on the
+    same seed.
+
+    Parameters
+    ----------
+    zoo : sequence of mapping
+        :func:`zoo_seeds`' result (at least two seeds).
+    scenarios : sequence of str
+        The scenario labels, the on-policy one first.
+
+    Returns
+    -------
+    list of tuple
+        ``(scenario, distinct runs, sd J, s.e. J, sd ΔJ, s.e. ΔJ)``; the first scenario's
+        ``ΔJ`` cells are ``""``.
+    """
+    if len(zoo) < 2:
+        raise ValueError(f"zoo: seed noise needs two or more seeds, got {len(zoo)}")
+    n, finals, first = len(zoo), final_objectives(zoo), scenarios[0]
+    names = [name for name, scenario in zoo[0] if scenario == first]
+
+    def pooled(values: list[torch.Tensor]) -> float:
+        return float(torch.stack(values).var(dim=1).mean().sqrt())
+
+    rows = []
+    for scenario in scenarios:
+        own = _distinct(zoo[0], [((name, scenario),) for name in names])
+        sd = pooled([finals[key] for key, in own])
+        if scenario == first:
+            rows.append((scenario, len(own), sd, sd / n ** 0.5, "", ""))
+            continue
+        pairs = _distinct(zoo[0], [((name, scenario), (name, first)) for name in names])
+        dsd = pooled([finals[a] - finals[b] for a, b in pairs])
+        rows.append((scenario, len(own), sd, sd / n ** 0.5, dsd, dsd / n ** 0.5))
+    return rows
+
+
+def summary_rows(names: Sequence[str], finals: Mapping, exact: Mapping, scenarios: Sequence[str]
                  ) -> list[tuple]:
     """One row per entry: family, name, ``cos(E ĝ, ∇J)`` per scenario, the on-policy trace
-    variance, the final on-policy ``J`` and, per other scenario, its final ``J`` minus that.
+    variance, the seed mean of the final on-policy ``J`` and, per other scenario, the seed mean
+    of its final ``J`` minus the on-policy one (seed by seed).
 
     Parameters
     ----------
     names : sequence of str
         Registry names, in table order.
-    runs : mapping
-        :func:`zoo_runs`' result.
+    finals : mapping
+        :func:`final_objectives`' result.
     exact : mapping
         :func:`zoo_moments`' result (the same scenario labels).
     scenarios : sequence of str
@@ -224,11 +316,11 @@ def summary_rows(names: Sequence[str], runs: Mapping, exact: Mapping, scenarios:
     """
     rows = []
     for name in names:
-        on = runs[name, scenarios[0]].final_objective
+        on = finals[name, scenarios[0]]
         rows.append((family(name, names), name,
                      *[exact[name, s].cosine for s in scenarios],
-                     exact[name, scenarios[0]].total_variance, on,
-                     *[runs[name, s].final_objective - on for s in scenarios[1:]]))
+                     exact[name, scenarios[0]].total_variance, float(on.mean()),
+                     *[float((finals[name, s] - on).mean()) for s in scenarios[1:]]))
     return rows
 
 
@@ -251,93 +343,6 @@ def monte_carlo_objective(mdp, policy, n: int, generator: torch.Generator
     """
     rewards = sample(mdp, policy, n, generator=generator).reward
     return float(rewards.mean()), float(rewards.std() / n ** 0.5)
-
-
-def monte_carlo_figure(exact: torch.Tensor, estimates: Sequence[tuple[float, float]], label: str):
-    """The exact ``J`` curve of a run beside Monte Carlo evaluations with ±2 s.e. bars.
-
-    Parameters
-    ----------
-    exact : Tensor ``[updates + 1]``
-        the ``objective`` of an :class:`~tokenmdp.exact.analysis.training.ExactTrainingRun`.
-    estimates : sequence of (float, float)
-        :func:`monte_carlo_objective` of each ``π_t``.
-    label : str
-        The estimator, for the title.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = range(len(exact))
-    ax.plot(steps, exact.numpy(), "k-", lw=1.6, label="exact J (no evaluation noise)")
-    ax.errorbar(steps, [m for m, _ in estimates], yerr=[2 * s for _, s in estimates], fmt="o",
-                color="C1", ms=4, capsize=2, label=f"Monte Carlo J, {label} (±2 s.e.)")
-    finish(ax, title="One training run, evaluated exactly and by sampling", xlabel="update",
-           ylabel="J")
-    return fig
-
-
-def prediction_figure(rows: Sequence[tuple], scenarios: Sequence[str]):
-    """Each entry's exact ``cos(E ĝ, ∇J)`` at the start against its final ``J``, per scenario.
-
-    Parameters
-    ----------
-    rows : sequence of tuple
-        :func:`summary_rows`' rows (cosines from column 2, the on-policy ``J`` and the
-        differences after the variance).
-    scenarios : sequence of str
-        The scenario labels, as for :func:`summary_rows`.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    k = len(scenarios)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, scenario in enumerate(scenarios):
-        cos = [r[2 + i] for r in rows]
-        final = [r[3 + k] + (r[3 + k + i] if i else 0.0) for r in rows]
-        ax.scatter(cos, final, s=18, color=f"C{i}", label=scenario, alpha=0.8)
-    finish(ax, title="The exact cosine at the start, against the final J",
-           xlabel="cos(E[ĝ], ∇J) at the start (exact)", ylabel="exact J after the run")
-    return fig
-
-
-def curves_figure(runs: Mapping, names: Sequence[str], scenarios: Sequence[str], *,
-                  baseline: float | None = None):
-    """The exact ``J`` after every update, one panel per scenario, one line per entry.
-
-    Parameters
-    ----------
-    runs : mapping
-        :func:`zoo_runs`' result.
-    names : sequence of str
-        The entries to draw.
-    scenarios : sequence of str
-        The panels.
-    baseline : float, optional
-        A horizontal reference line (for example the optimum of ``J``).
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-    """
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.8),
-                             sharey=True)
-    for ax, scenario in zip(axes, scenarios):
-        for i, name in enumerate(names):
-            curve = runs[name, scenario].objective
-            ax.plot(range(len(curve)), curve.numpy(), color=f"C{i % 10}",
-                    ls="-" if i < 10 else "--", lw=1.4, label=name)
-        if baseline is not None:
-            ax.axhline(baseline, color="0.6", lw=0.8, ls=":", label="max J")
-        finish(ax, title=scenario, xlabel="update", ylabel="exact J",
-               legend=ax is axes[-1])
-    fig.suptitle("Exact J after every sampled update, identical budgets")
-    fig.tight_layout()
-    return fig
 
 
 def part_differences(a: Estimator, b: Estimator) -> list[tuple[str, str, str]]:
