@@ -3,10 +3,10 @@
 Each tutorial is executed top to bottom in a fresh Jupyter kernel (as the test suite and the
 documentation build do), with one extra last cell that prints the kernel's own CPU time
 (``os.times()``: user + system of every thread of the kernel process from its start, imports
-included, plus those of any child process it waited for). CPU seconds, unlike wall seconds, do not count the time the kernel waited for
-a loaded machine; the ratio to tutorial 1, run in the same process, carries over to another
-machine. ``--budget`` is the course's limit (60 s of CPU on the reference two-core machine);
-tutorials over it are marked.
+included, plus those of any child process it waited for). CPU seconds, unlike wall seconds, do not
+count the time the kernel waited for a loaded machine; the ratio to tutorial 1, run in the same
+process, carries over to another machine. ``--budget`` is the course's limit (60 s of CPU on the
+reference two-core machine); tutorials over it are marked.
 
     OMP_NUM_THREADS=1 python benchmarks/tutorials.py            # every tutorial
     OMP_NUM_THREADS=1 python benchmarks/tutorials.py 01 09      # tutorial 1 (the baseline) and 9

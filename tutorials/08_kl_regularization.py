@@ -12,8 +12,9 @@
 # # Tutorial 8 — KL regularization
 #
 # **The question.** A trainer adds "a KL penalty to the reference policy" with a coefficient
-# $\beta$. Three per-token estimators of the KL are in use (k1, k2, k3), and each can be put in
-# the reward or in the loss. Which of the six combinations actually pushes the policy along
+# $\beta$. Three per-token estimators of the KL are in use (k1, k2, k3), plus verl's
+# straight-through k3+, and each can be put in the reward or in the loss. Which of the eight
+# combinations actually pushes the policy along
 # $-\nabla \mathrm{KL}(\pi_\theta \,\|\, \pi_{\text{ref}})$, the gradient of the regularizer the
 # objective names?
 #
@@ -22,9 +23,10 @@
 #
 # 1. reproduce **Schulman's k1/k2/k3 table** (bias and standard deviation of each value estimate)
 #    by closed form and by Monte Carlo with error bars;
-# 2. build the **exact gradient table** k1/k2/k3 × in the reward / in the loss × bandit /
+# 2. build the **exact gradient table** k1/k2/k3/k3+ × in the reward / in the loss × bandit /
 #    sequence, and read off which is the reverse-KL gradient, which the forward, which is zero in
-#    expectation and which is a partial gradient;
+#    expectation and which is a partial gradient; then see what verl's **k3+** repairs in
+#    GRPO's k3 and what it leaves, and which verl and TRL options select each placement;
 # 3. take k3 **off-policy** with its importance weight and see what the weight does and does
 #    not repair;
 # 4. break the regularizer on purpose: **k1 in the loss regularizes nothing**, and an exact
@@ -57,6 +59,7 @@ from tokenmdp.course.setups import step_along
 from tokenmdp.course.tutorials.t08 import (
     kl_gradient_table,
     kl_matches,
+    kl_option_table,
     kl_placement_moments,
     kl_world,
     mean_and_sd,
@@ -155,11 +158,15 @@ show(table(rows, ["q", "estimator", "bias/KL exact", "bias/KL Monte Carlo", "sd/
 # ### Exercise 1 — is k3 always the better estimator?
 #
 # *Predict* before you compute: as the two distributions move apart (larger $\mu$), does $k_3$
-# keep a smaller standard deviation than $k_2$? If not, find the mean shift $\mu^*$ at which the
-# two standard deviations are equal (from the closed forms above, by bisection on $[0.5, 3]$).
+# keep a smaller standard deviation than $k_2$? Record it as `spread_prediction` (`"yes"` or
+# `"no"`). If not, find the mean shift $\mu^*$ at which the two standard deviations are equal
+# (from the closed forms above, by bisection on $[0.5, 3]$).
 
 # %%
 # Solution
+spread_prediction = "no"             # recorded before computing: "yes" or "no"
+
+
 def k3_minus_k2(mu):
     return closed_form(mu)["k3"][1] - closed_form(mu)["k2"][1]
 
@@ -172,6 +179,7 @@ crossover = 0.5 * (lo + hi)
 
 # %%
 # Check
+tokenmdp.check("tr08_predict_k3_spread_stays_below_k2", spread_prediction)
 tokenmdp.check("tr08_k3_k2_crossover", crossover)
 
 # %% [markdown]
@@ -214,6 +222,11 @@ plt.show()
 #   $\nabla k_1 = \nabla\log\pi$, $\nabla k_2 = k_1\nabla\log\pi$ and
 #   $\nabla k_3 = (1 - r)\nabla\log\pi$, $r = \pi_{\text{ref}}/\pi$.
 #
+# The fourth estimator is verl's `k3+` (`kl_k3_plus` here): a *straight-through* k3, whose
+# value is $k_3$ (non-negative, unbiased for the KL, what the trainer logs) and whose gradient
+# is $k_2$'s, $\nabla k_{3+} = k_1\nabla\log\pi$. In the reward only the value counts, so
+# k3+ in the reward is k3 in the reward.
+#
 # Tang & Munos (arXiv 2506.09477) and Shah et al. ("A Comedy of Estimators", arXiv 2512.21852)
 # work out what these deliver. We compare each placement's exact expected gradient
 # $-\mathbb E[\hat g]/\beta$ (`kl_penalty_moments`: the penalty alone, on a zero-reward copy of
@@ -254,9 +267,9 @@ show(kl_gradient_table(placements["bandit (L = 1)"], targets["bandit (L = 1)"], 
 
 # %% [markdown]
 # In a bandit the visitation is just the prompt distribution, so each per-state target *is* its
-# sequence target. k1 in the reward and k2 in the loss are the reverse-KL gradient, k3 in the
-# loss is the **forward**-KL gradient, k1 in the loss is zero, and k2 and k3 in the reward match
-# nothing. Now the sequence task:
+# sequence target. k1 in the reward, k2 in the loss and k3+ in the loss are the reverse-KL
+# gradient, k3 in the loss is the **forward**-KL gradient, k1 in the loss is zero, and k2, k3
+# and k3+ in the reward match nothing. Now the sequence task:
 
 # %%
 show(kl_gradient_table(placements["sequence (L = 3)"], targets["sequence (L = 3)"], coef=BETA,
@@ -265,13 +278,19 @@ show(kl_gradient_table(placements["sequence (L = 3)"], targets["sequence (L = 3)
 # %%
 expected = {"k1 in reward": ("reverse KL",), "k1 in loss": ("zero",),
             "k2 in reward": (), "k2 in loss": ("per-state reverse",),
-            "k3 in reward": (), "k3 in loss": ("per-state forward",)}
-assert kl_matches(placements["sequence (L = 3)"], targets["sequence (L = 3)"], coef=BETA,
-                  tol=EXACT_TOL) == expected
+            "k3 in reward": (), "k3 in loss": ("per-state forward",),
+            "k3+ in reward": (), "k3+ in loss": ("per-state reverse",)}
+matches = kl_matches(placements["sequence (L = 3)"], targets["sequence (L = 3)"], coef=BETA,
+                     tol=EXACT_TOL)
+assert matches == expected
+seq = placements["sequence (L = 3)"]
 t = targets["sequence (L = 3)"]                  # k3 in the reward: reverse minus k3-in-loss
-k3_reward = -placements["sequence (L = 3)"]["k3 in reward"].mean / BETA
+k3_reward = -seq["k3 in reward"].mean / BETA
 assert (k3_reward - (t["reverse KL"] - t["per-state forward"])).norm() < EXACT_TOL
-print("sequence task: every match as stated; k3 in the reward = ∇KL(π‖π_ref) − (k3 in the loss)")
+for plus, same in (("k3+ in loss", "k2 in loss"), ("k3+ in reward", "k3 in reward")):
+    assert (seq[plus].mean - seq[same].mean).norm() < EXACT_TOL * BETA * t["reverse KL"].norm()
+print("sequence task: every match as stated; k3 in the reward = ∇KL(π‖π_ref) − (k3 in the loss);"
+      " k3+ in the loss = k2 in the loss, k3+ in the reward = k3 in the reward")
 
 # %% [markdown]
 # Read the sequence table row by row:
@@ -291,13 +310,15 @@ print("sequence task: every match as stated; k3 in the reward = ∇KL(π‖π_re
 #   the *value* of the penalty is unbiased, but it correlates with its own token's score:
 #   $\mathbb E[(r_t - 1)\nabla\log\pi_t] = -\nabla\mathrm{KL}_{s_t}(\pi_{\text{ref}}\|\pi)$,
 #   which is why it equals the reverse gradient minus k3's loss gradient (asserted above).
+# * **k3+** is k2 in the loss and k3 in the reward, row for row (asserted above): section 2's
+#   last part asks what that buys GRPO.
 #
 # Near $\pi = \pi_{\text{ref}}$, with $\theta - \theta_{\text{ref}} = \delta$, every KL is
-# $\tfrac12 \delta^\top F \delta$ to second order, so k1 in the reward and k2, k3 in the loss
-# agree to first order and part only as the policy moves away, as here. k2 and k3 in the reward
-# do not: $k_2$ is itself second order, and k3's gradient, the reverse minus the per-state
-# forward one, cancels to first order, so both penalties start out with almost no gradient at
-# all. At a step of 0.03 instead of 3:
+# $\tfrac12 \delta^\top F \delta$ to second order, so k1 in the reward and k2, k3, k3+ in the
+# loss agree to first order and part only as the policy moves away, as here. k2, k3 and k3+ in
+# the reward do not: $k_2$ is itself second order, and k3's gradient in the reward (k3+'s is
+# the same), the reverse minus the per-state forward one, cancels to first order, so these
+# penalties start out with almost no gradient at all. At a step of 0.03 instead of 3:
 
 # %%
 mdp, _, ref, _ = worlds["sequence (L = 3)"]
@@ -307,8 +328,8 @@ distance = {name: float((-m.mean / BETA - reverse_near).norm() / reverse_near.no
             for name, m in kl_placement_moments(mdp, near, ref, coef=BETA).items()}
 show(table(list(distance.items()), ["placement, step 0.03", "‖−E ĝ/β − ∇KL(π‖π_ref)‖ / ‖∇KL‖"],
            fmt=".4f"))
-assert max(distance["k2 in loss"], distance["k3 in loss"]) < 0.01
-assert min(distance["k2 in reward"], distance["k3 in reward"]) > 0.99
+assert max(distance[f"{k} in loss"] for k in ("k2", "k3", "k3+")) < 0.01
+assert min(distance[f"{k} in reward"] for k in ("k2", "k3", "k3+")) > 0.99
 
 # %% [markdown]
 # The same expectations from sampled batches run through the library's `prepare` and `loss`
@@ -338,12 +359,14 @@ show(table(rows, ["placement", "‖mean of sampled ĝ‖", "‖E ĝ‖ exact", "
 #
 # *Predict* first: on the sequence task, is the relative distance
 # $\|\mathbb E[\nabla k_3\text{-in-loss}] - \nabla\mathrm{KL}(\pi\,\|\,\pi_{\text{ref}})\| /
-# \|\nabla\mathrm{KL}(\pi\,\|\,\pi_{\text{ref}})\|$ closer to 0, 0.3 or 1? Then compute it
-# from `kl_penalty_moments` and `kl_gradients` (remember that `.mean` is $-\beta$ times the
-# penalty's gradient).
+# \|\nabla\mathrm{KL}(\pi\,\|\,\pi_{\text{ref}})\|$ closer to 0, 0.3 or 1? Record it as
+# `bias_prediction` (`"0"`, `"0.3"` or `"1"`), without reading it off the table above. Then
+# compute it from `kl_penalty_moments` and `kl_gradients` (remember that `.mean` is $-\beta$
+# times the penalty's gradient).
 
 # %%
 # Solution
+bias_prediction = "0.3"              # recorded before computing: "0", "0.3" or "1"
 penalty = KLPenalty(coef=BETA, in_reward=False, estimator=kl_k3)
 delivered = -kl_penalty_moments(mdp, pi, ref, penalty).mean / BETA
 reverse = kl_gradients(mdp, pi, ref).reverse
@@ -351,6 +374,7 @@ k3_bias = float((delivered - reverse).norm() / reverse.norm())
 
 # %%
 # Check
+tokenmdp.check("tr08_predict_k3_loss_bias_size", bias_prediction)
 tokenmdp.check("tr08_k3_loss_relative_bias", k3_bias)
 
 # %% [markdown]
@@ -358,13 +382,63 @@ tokenmdp.check("tr08_k3_loss_relative_bias", k3_bias)
 # the gradient's length away from the one the objective names (and 0.60 away in the bandit,
 # where it is exactly the forward-KL gradient).
 #
+# ### verl's k3+: what it repairs in GRPO's k3, and what it leaves
+#
+# verl's practical fix for this bias is `kl_loss_type=k3+`: keep k3's value (non-negative,
+# unbiased, low variance, what the trainer logs) and take k2's gradient,
+# $k_{1,t}\nabla\log\pi(y_t|s_t)$, by a straight-through trick. The two gradient tables above
+# already hold its rows; here they are beside k3's, in both worlds:
+
+# %%
+rows = []
+for name in worlds:
+    m, tg = placements[name], targets[name]
+    scale = tg["reverse KL"].norm()
+    for placement in ("k3 in loss", "k3+ in loss"):
+        delivered = -m[placement].mean / BETA
+        rows.append((name, placement, float((delivered - tg["reverse KL"]).norm() / scale),
+                     float((delivered - tg["per-state reverse"]).norm() / scale),
+                     m[placement].total_variance / BETA ** 2))
+show(table(rows, ["world", "placement", "to reverse KL", "to per-state reverse", "Var/β²"],
+           fmt=".3f"))
+bandit_k3, bandit_plus, seq_k3, seq_plus = rows
+assert bandit_plus[2] < EXACT_TOL < bandit_k3[2] and seq_plus[3] < EXACT_TOL < seq_plus[2]
+assert bandit_plus[4] < bandit_k3[4] and seq_plus[4] < seq_k3[4]
+
+# %% [markdown]
+# What k3+ repairs is the **direction at each state**: forward KL becomes reverse KL. In the
+# bandit, where each state's gradient is the whole gradient, that removes the bias entirely
+# (0.599 → 0) and cuts the variance from 3.360 to 0.402 (β² units). What it leaves is the
+# **later tokens**: like k2 in the loss, it is the *per-state* reverse gradient, blind to the
+# log-ratios that follow a token. On the sequence task it is 0.334 of the gradient's length
+# from $\nabla\mathrm{KL}(\pi\,\|\,\pi_{\text{ref}})$ — not closer than k3's 0.313, because
+# its error is the other one: the visitation term instead of the direction. It still halves
+# the variance (0.963 → 0.520). Only a penalty in the (detached) reward with k1 summed over
+# the response — each token paying for the log-ratios after it — is the full reverse-KL
+# gradient of whole responses; the table at the end says which options select it.
+#
 # ## 3. Off-policy: the importance-weighted k3
 #
 # With stale data, $y \sim \mu \ne \pi_\theta$, a loss-placed penalty is sampled from the wrong
 # policy. `KLPenalty(importance_weighted=True)` multiplies each token's $k_t$ by the detached
 # weight $\operatorname{sg}(\pi_\theta(y_t|s_t)/\mu(y_t|s_t))$, which turns
-# $\mathbb E_{a\sim\mu}$ into $\mathbb E_{a\sim\pi}$ *at each state*. The states themselves are
-# still visited with $\mu$'s frequencies, so the weighted estimator delivers
+# $\mathbb E_{a\sim\mu}$ into $\mathbb E_{a\sim\pi}$ *at each state*.
+#
+# *Predict* before reading on: does that make the stale k3 gradient exactly the on-policy one
+# in both worlds, in the bandit only, or in neither? Record it as `weight_prediction`
+# (`"both"`, `"bandit"` or `"neither"`).
+
+# %%
+# Solution
+weight_prediction = "bandit"         # recorded before computing: "both", "bandit" or "neither"
+
+# %%
+# Check
+tokenmdp.check("tr08_predict_weight_repairs", weight_prediction)
+
+# %% [markdown]
+# The states themselves are still visited with $\mu$'s frequencies, so the weighted estimator
+# delivers
 # $\sum_s d^{\mu}(s)\,\nabla\mathrm{KL}_s(\pi_{\text{ref}}\,\|\,\pi)$ (`kl_gradients(...,
 # visitation=μ)`), not the on-policy gradient. Exactly, in both worlds:
 
@@ -389,9 +463,9 @@ assert rows[0][2] < EXACT_TOL               # in a bandit the weight repairs eve
 #
 # ### Exercise 3 — what the per-token weight leaves behind
 #
-# *Predict*: the remaining relative gap of the weighted k3 on the sequence task is in the table
-# above; compute it yourself from `kl_penalty_moments` (the weighted penalty with
-# `behavior=μ`, against the unweighted one on-policy).
+# The remaining relative gap of the weighted k3 on the sequence task is in the table above;
+# compute it yourself from `kl_penalty_moments` (the weighted penalty with `behavior=μ`,
+# against the unweighted one on-policy).
 
 # %%
 # Solution
@@ -469,8 +543,40 @@ plt.show()
 #
 # ## What verl / TRL / others call this
 #
-# Generated from the registry's aliases (the same text as the estimator cards). GRPO is the
-# registry entry with a KL penalty: k3 in the loss, verl's `kl_loss_type=low_var_kl`.
+# **verl** has both placements, each with its own switch and estimator option:
+#
+# * in the reward: `algorithm.use_kl_in_reward=True`, the estimator `algorithm.kl_penalty`
+#   (default `kl`), the coefficient `algorithm.kl_ctrl.kl_coef`; the per-token penalty
+#   (computed from `old_log_prob`, detached) is subtracted from the token-level rewards, which
+#   GRPO's advantage sums into $R - \beta\sum_t k_t$ and GAE or REINFORCE++ turn into a
+#   reward-to-go: section 2's "in the reward", up to each advantage's own baseline and scaling;
+# * in the loss: `actor_rollout_ref.actor.use_kl_loss=True`, the estimator
+#   `actor_rollout_ref.actor.kl_loss_type` (default `low_var_kl`), the coefficient
+#   `actor_rollout_ref.actor.kl_loss_coef` (default 0.001).
+#
+# Both estimator options take `kl`/`k1`, `mse`/`k2`, `low_var_kl`/`k3` (and `abs`); a `+` at
+# the end (verl's docs name `k1+` and `k3+`) keeps that value and takes k2's gradient. The `+`
+# options are recent: check that your verl version has them.
+#
+# **TRL**'s `GRPOTrainer` has one placement and one estimator: with `GRPOConfig.beta > 0`
+# (default 0.0, no penalty, no reference model) its loss adds `beta` times k3 per token, so
+# TRL's GRPO is k3 in the loss, and no option selects another. TRL's PPO trainer puts the
+# penalty in the reward of every token with `PPOConfig.kl_coef` and `kl_estimator` (`"k1"`,
+# the default, or `"k3"`; `"k2"` is refused); TRL has been moving that trainer between
+# releases, so check where your version keeps it. One row per placement, beside what it
+# delivers on the sequence task (from the exact table of section 2):
+
+# %%
+show(kl_option_table(matches))
+
+# %% [markdown]
+# The full reverse-KL gradient of whole responses is one row: k1 in the reward, verl's
+# `use_kl_in_reward` with `kl_penalty=k1` and TRL's PPO default; GRPO's k3 in the loss (verl's
+# default `kl_loss_type`, TRL's only choice) is the per-state forward gradient, and verl's
+# `k3+` the per-state reverse one.
+#
+# The registry's aliases (the same text as the estimator cards): GRPO is the registry entry
+# with a KL penalty, k3 in the loss.
 
 # %%
 show(alias_box(["grpo", "reinforce"]))
@@ -486,6 +592,9 @@ show(alias_box(["grpo", "reinforce"]))
 #   gradient; k3 in the loss is the per-state forward-KL gradient under $\pi$'s visitation;
 #   k2 and k3 in the reward match none of these and, near $\pi_{\text{ref}}$, have almost no
 #   gradient. In a bandit the partial gradients are the full ones.
+# * **verl's k3+** (k3's value, k2's gradient) turns GRPO's per-state forward-KL gradient into
+#   the per-state reverse one, with less variance: exact in a bandit, but on sequences it still
+#   misses the later tokens' log-ratios, which only k1 in the reward carries.
 # * **Off-policy**, the per-token weight $\operatorname{sg}(\pi_\theta/\mu)$ repairs the action
 #   distribution at each state but not the visitation: exact in a bandit, a gap in sequences.
 # * **k1 in the loss** leaves the training run exactly as without a penalty.

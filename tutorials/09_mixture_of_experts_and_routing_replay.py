@@ -76,6 +76,7 @@ from tokenmdp.course.tutorials.t09 import (
 from tokenmdp.exact import (
     expected_length,
     gradient,
+    moments,
     objective,
     sequence_kl,
     sequence_logprobs,
@@ -200,13 +201,15 @@ assert all(abs(sampled[k] - exact[k]) < Z_TOL * sampled[k + "_se"] for k in exac
 #
 # *Predict* before you run: for the $\sigma = 1$ engine, is the flip fraction under $\mu$'s
 # sampling larger or smaller than the share of flipped records among all enumerated responses
-# counted once each? Then compute it **without** `flip_fraction`: `world.engine_routing` and
+# counted once each? Record it as `flip_prediction` (`"larger"` or `"smaller"`). Then compute it
+# **without** `flip_fraction`: `world.engine_routing` and
 # `world.old_routing` are the two records `[R, C, L, K]` on the enumeration; weight each response
 # by $D(x)\mu(y|x)$ (`sequence_probs(mdp, world.mu)`), skip the last token of each response, and
 # compare expert *sets*.
 
 # %%
 # Solution
+flip_prediction = "larger"           # recorded before computing: "larger" or "smaller"
 same_set = (world.engine_routing.sort(-1).values == world.old_routing.sort(-1).values).all(-1)
 last = enum.sequence_lengths_total() - 1
 counted = (torch.arange(enum.tokens.shape[1])[None, :] < last[:, None])[..., None].expand_as(same_set)
@@ -218,6 +221,7 @@ flip_answer = float((w_y * n_diff).sum() / (w_y * n_rec).sum())
 
 # %%
 # Check
+tokenmdp.check("tr09_predict_flip_weighting", flip_prediction)
 tokenmdp.check("tr09_flip_fraction", flip_answer)
 
 # %%
@@ -232,12 +236,14 @@ print(f"under μ: {flip_answer:.4f}; every enumerated record once: "
 # ### Exercise 2 — the KL per token
 #
 # *Predict*: is $\mathrm{KL}(\mu\,\|\,\pi_{\text{old}})$ per token above or below $10^{-2}$ for
-# this engine, given that 79% of its records flip? Compute it **without** `sequence_kl`: the
+# this engine, given that 79% of its records flip? Record it as `kl_prediction` (`"above"` or
+# `"below"`). Then compute it **without** `sequence_kl`: the
 # per-state $\mathrm{KL}(\mu(\cdot|s)\,\|\,\pi_{\text{old}}(\cdot|s))$ averaged with the weights
 # $d^\mu(s) / \sum_s d^\mu(s)$ (`state_logprobs`, `state_visitation` of `world.mu`).
 
 # %%
 # Solution
+kl_prediction = "below"              # recorded before computing: "above" or "below"
 with torch.no_grad():
     lp_mu = torch.cat([x.reshape(-1, mdp.vocab_size) for x in state_logprobs(mdp, world.mu)])
     lp_old = torch.cat([x.reshape(-1, mdp.vocab_size) for x in state_logprobs(mdp, old)])
@@ -246,6 +252,7 @@ kl_answer = float((d_mu * (lp_mu.exp() * (lp_mu - lp_old)).sum(-1)).sum() / d_mu
 
 # %%
 # Check
+tokenmdp.check("tr09_predict_kl_per_token_size", kl_prediction)
 tokenmdp.check("tr09_kl_per_token", kl_answer)
 
 # %% [markdown]
@@ -307,16 +314,19 @@ print(f"R2 on the first mini-batch: max |Δ E ĝ| = {float((none_0.mean - r2_0.m
 #
 # *Predict*: relative to $\|\nabla J(\pi_{\text{old}})\|$, is the distance between the gradient
 # R3 takes at the first mini-batch and the trainer's $\nabla J(\pi_{\text{old}})$ closer to 1%,
-# 10% or 30%, for the engine whose KL per token is $2 \times 10^{-3}$? Compute it with
-# `gradient` of the replayed policy (`world.policy(old, "r3")`) and of `old`.
+# 10% or 30%, for the engine whose KL per token is $2 \times 10^{-3}$? Record it as
+# `shift_prediction` (`"1%"`, `"10%"` or `"30%"`). Then compute it with `gradient` of the
+# replayed policy (`world.policy(old, "r3")`) and of `old`.
 
 # %%
 # Solution
+shift_prediction = "30%"             # recorded before computing: "1%", "10%" or "30%"
 r3_grad = gradient(mdp, world.policy(old, "r3"))
 r3_shift_answer = float((r3_grad - grad_J).norm() / grad_J.norm())
 
 # %%
 # Check
+tokenmdp.check("tr09_predict_r3_shift_size", shift_prediction)
 tokenmdp.check("tr09_r3_target_shift", r3_shift_answer)
 
 # %%
@@ -338,7 +348,8 @@ print(f"R3 target shift {r3_shift_answer:.3f}; the bias of no replay (E_μ ĝ ag
 # (here $\theta = \theta_{\text{old}} + s\,\nabla J/\|\nabla J\|$, `world.stale(s)`). For each
 # engine noise $\sigma$, staleness $s$ and replay, `replay_gradient` gives the exact $\mathbb E[\hat g]$
 # of the notebook's estimator (token ratio against the `old_logprob` pass, leave-one-out
-# advantage, no train–inference correction, $G = 2$, data from $\mu$) and three targets:
+# advantage, no train–inference correction, $G = 2$, data from $\mu$) and three targets
+# (`bias_grid` computes the targets once per $(\sigma, s)$ for the three replays):
 #
 # * $\nabla J(\pi_\theta)$ of the freely routed policy — the trainer's objective;
 # * $\nabla J(\mu_\theta)$ of the engine's policy at the same weights — the sampler's objective;
@@ -347,8 +358,9 @@ print(f"R3 target shift {r3_shift_answer:.3f}; the bias of no replay (E_μ ĝ ag
 #   off-policy.
 
 # %%
-SIGMAS, STALENESS = [0.3, 1.0, 3.0], [0.0, 0.05, 0.1, 0.2, 0.4]
-grid = bias_grid(SIGMAS, STALENESS, estimator)
+SIGMAS, STALENESS = [0.3, 1.0, 3.0], [0.0, 0.1, 0.2, 0.4]
+grid = bias_grid(SIGMAS, STALENESS, estimator,        # section 3's first-mini-batch results reused
+                 known={(SIGMA, 0.0, "none"): none_0, (SIGMA, 0.0, "r2"): r2_0})
 rows = [(sigma, s, *[getattr(grid[sigma, s, r], a) for a in ("relative_bias", "engine_bias")
                      for r in REPLAYS]) for sigma in SIGMAS for s in STALENESS]
 show(table(rows, ["σ", "staleness", *[f"vs ∇J(π) {r}" for r in REPLAYS],
@@ -361,12 +373,12 @@ plt.show()
 # %% [markdown]
 # Read the two panels as two questions.
 #
-# * **If the trainer's policy is the objective** (left), no replay and R2 are within a few
+# * **If the trainer's policy is the objective** (top), no replay and R2 are within a few
 #   percent of each other everywhere (the grey lines lie under the blue ones): R2 is identical to
 #   no replay on the first mini-batch, and its bias appears only once the updates have moved the
-#   routing (from $s \approx 0.1$ here), and stays small. R3 is the worst at every point, by the
+#   routing (visibly from $s = 0.2$ here), and stays small. R3 is the worst at every point, by the
 #   target shift of exercise 3 — from the first mini-batch on, growing with the flip fraction.
-# * **If the engine's policy is the objective** (right), R3 is exact on the first mini-batch and
+# * **If the engine's policy is the objective** (bottom), R3 is exact on the first mini-batch and
 #   the best at every staleness for $\sigma \ge 1$; no replay and R2 are biased towards the
 #   trainer's computation by about the distance between the two gradients. At the smallest
 #   mismatch ($\sigma = 0.3$), staleness overtakes: from $s = 0.2$ on, R3's frozen experts cost
@@ -441,27 +453,50 @@ plt.show()
 # engine's records are collected during decoding is an off-by-one: the record made while the
 # token at column $c$ was *sampled* is stored at $c$, although it belongs to the token fed at
 # $c - 1$. The records are still valid (two distinct experts each), so nothing raises; here is
-# what the `old_logprob` pass then computes.
+# what the `old_logprob` pass and the first update then compute, beside no replay and a correct
+# R3. Every gradient distance is relative to the same $\|\nabla J(\pi_{\text{old}})\|$; the
+# target shift is $\|\nabla J(\text{replayed}) - \nabla J(\pi_{\text{old}})\|$, the bias
+# of no replay $\|\mathbb E_\mu \hat g - \nabla J(\pi_{\text{old}})\|$ (section 3).
 
 # %%
 shifted = torch.full_like(world.engine_routing, -1)
 shifted[:, 1:] = world.engine_routing[:, :-1]                 # BROKEN ON PURPOSE: one column late
 misaligned = RoutedPolicy(mdp, old, shifted)
-with torch.no_grad():
-    kls = {name: float(sequence_kl(mdp, world.mu, p)) for name, p in
-           [("no replay", world.old_policy("none")), ("R3", world.old_policy("r3")),
-            ("R3, trace one token late", misaligned)]}
-show(table(list(kls.items()), ["old_logprob pass", "KL(μ ‖ π_old)"], fmt=".3e"))
-late_shift = float((gradient(mdp, misaligned) - grad_J).norm() / grad_J.norm())
-assert kls["R3, trace one token late"] > kls["no replay"] > kls["R3"]
-print(f"target shift of the late trace: {late_shift:.3f} (R3's: {r3_shift_answer:.3f})")
+late = moments(mdp, misaligned, estimator, group_size=2, behavior=world.mu, old=misaligned,
+               method="enumeration")                          # R3 with the late trace: E ĝ
+scale = grad_J.norm()
+passes = {"no replay": (world.old_policy("none"), none_0.mean, grad_J),
+          "R3": (world.old_policy("r3"), grid[SIGMA, 0.0, "r3"].mean,
+                 grid[SIGMA, 0.0, "r3"].replayed_grad),
+          "R3, trace one token late": (misaligned, late.mean, gradient(mdp, misaligned))}
+rows = []
+for name, (old_pass, mean, target) in passes.items():
+    with torch.no_grad():
+        kl = float(sequence_kl(mdp, world.mu, old_pass))
+    rows.append((name, kl, *[float((a - b).norm() / scale) for a, b in
+                             ((mean, grad_J), (mean, engine_grad), (target, grad_J))]))
+show(table([(name, f"{kl:.3e}", *rest) for name, kl, *rest in rows],
+           ["routing", "KL(μ ‖ π_old)", "‖E ĝ − ∇J(π_old)‖", "‖E ĝ − ∇J(μ)‖", "target shift"],
+           fmt=".3f"))
+(_, kl_none, bias_none, engine_none, _), (_, kl_r3, _, engine_r3, _), \
+    (_, kl_late, bias_late, engine_late, late_shift) = rows
+assert abs(bias_none - none_0.relative_bias) < EXACT_TOL and engine_r3 < EXACT_TOL
+assert kl_late > kl_none > kl_r3 and late_shift > bias_none and bias_late > bias_none
+assert engine_r3 < engine_late < engine_none
+print(f"late trace: KL {kl_late:.3e} = {kl_late / kl_none:.1f} × no replay's {kl_none:.3e}; "
+      f"target shift {late_shift:.3f} ‖∇J‖ = {late_shift / bias_none:.1f} × the bias of no "
+      f"replay, {bias_none:.3f} ‖∇J‖")
 
 # %% [markdown]
-# The late trace is worse than no replay: the KL that R3 was meant to remove is larger than
-# without any replay, and the policy it differentiates is neither the trainer's nor the
-# engine's. In a log it looks like a KL spike *after* turning R3 on — the symptom to look for. A
-# test that compares $\mathrm{KL}(\mu\,\|\,\pi_{\text{old}})$ under R3 with 0 on a
-# selection-only engine (section 3) catches it at once.
+# The late trace is worse than no replay on both counts the claim compares: the KL that R3 was
+# meant to remove is 2.2 times the KL without any replay, and the policy it differentiates is
+# 0.193 $\|\nabla J\|$ from the trainer's gradient, 3.9 times the bias of no replay
+# (0.050 $\|\nabla J\|$); the update's $\mathbb E \hat g$ itself is 0.186 $\|\nabla J\|$ away.
+# Against the engine's gradient it lies between the two: 0.216 $\|\nabla J\|$, where no replay
+# is 0.328 and a correct R3 is exact. Its target is neither the trainer's nor the engine's. In a
+# log it looks like a KL spike *after* turning R3 on — the symptom to look for. A test that
+# compares $\mathrm{KL}(\mu\,\|\,\pi_{\text{old}})$ under R3 with 0 on a selection-only engine
+# (section 3) catches it at once.
 #
 # ## What verl / TRL / others call this
 #

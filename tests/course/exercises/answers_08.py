@@ -109,6 +109,36 @@ WRONG_08 = {
         "relative to ‖∇KL(π‖π_ref)‖": _off_policy_gap_relative_to_reverse()},
 }
 
+
+
+def _k3_spread_stays_below():
+    # the closed forms (not the quadrature) on a fine grid across the bracket
+    lo, hi = ex.TR08_BRACKET
+    grid = [lo + (hi - lo) * i / 200 for i in range(201)]
+    return "yes" if all(_closed_form_sds(m)[2] < _closed_form_sds(m)[1] for m in grid) else "no"
+
+
+def _nearest_bias_size():
+    bias = _k3_loss_bias()
+    return min(("0", "0.3", "1"), key=lambda option: abs(float(option) - bias))
+
+
+def _where_the_weight_repairs():
+    # the weighted stale gradient against the on-policy one, response by response in each world
+    exact = []
+    for max_len in (1, ex.TR08_SEQUENCE_LEN):
+        mdp, pi, ref, mu = kl_world(max_len)
+        off = _expected_by_responses(mdp, pi, ref, KLPenalty(coef=1.0, in_reward=False,
+                                                             importance_weighted=True), mu)
+        on = _expected_by_responses(mdp, pi, ref, KLPenalty(coef=1.0, in_reward=False), pi)
+        exact.append(float((off - on).norm() / on.norm()) < 1e-9)
+    return {(True, True): "both", (True, False): "bandit", (False, False): "neither"}[tuple(exact)]
+
+
 # The true option of each prediction (tr08_predict_*), by another route than the package's
 # (merged into PREDICT of tests/course/exercises/test_predictions.py).
-PREDICT_08: dict = {}
+PREDICT_08: dict = {
+    "tr08_predict_k3_spread_stays_below_k2": _k3_spread_stays_below,
+    "tr08_predict_k3_loss_bias_size": _nearest_bias_size,
+    "tr08_predict_weight_repairs": _where_the_weight_repairs,
+}

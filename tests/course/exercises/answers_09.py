@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tokenmdp.course.exercises import t09 as ex
@@ -88,5 +90,13 @@ WRONG_09 = {
 }
 
 # The true option of each prediction (tr09_predict_*), by another route than the package's
-# (merged into PREDICT of tests/course/exercises/test_predictions.py).
-PREDICT_09: dict = {}
+# (merged into PREDICT of tests/course/exercises/test_predictions.py): the flip shares and the
+# KL per token by the loops and state sums above, the shift's nearest size on a log scale.
+PREDICT_09: dict = {
+    "tr09_predict_flip_weighting": lambda: (
+        "larger" if _flip_by_loops() > _flip_by_loops(weights="uniform") else "smaller"),
+    "tr09_predict_kl_per_token_size": lambda: "above" if _kl_by_states() > 1e-2 else "below",
+    "tr09_predict_r3_shift_size": lambda: min(
+        (("1%", 0.01), ("10%", 0.1), ("30%", 0.3)),
+        key=lambda option: abs(math.log(_r3_shift() / option[1])))[0],
+}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import matplotlib
+import matplotlib.legend
 import pytest
 import torch
 
@@ -52,11 +53,32 @@ def test_the_bias_grid_and_its_figure():
     assert torch.equal(grid[1.0, 0.0, "none"].mean, grid[1.0, 0.0, "r2"].mean)
     assert grid[1.0, 0.0, "r3"].engine_bias < 1e-12              # R3's first update: ∇J(μ)
     fig = t09.bias_figure(grid)
-    left, right = fig.axes
-    assert "π_θ" in left.get_title() and "μ_θ" in right.get_title()
-    for ax in (left, right):
-        assert ax.get_xlabel() and ax.get_ylabel() and len(ax.lines) == 3
-    assert len(left.get_legend().get_texts()) == 3
+    top, bottom = fig.axes
+    assert "π_θ" in top.get_title() and "μ_θ" in bottom.get_title()
+    assert fig.get_size_inches()[0] <= 8 and top.get_position().y0 > bottom.get_position().y1
+    for ax in (top, bottom):
+        assert ax.get_ylabel() and len(ax.lines) == 3
+    assert bottom.get_xlabel() and bottom.get_legend() is None
+    legends = [a for a in top.get_children() if isinstance(a, matplotlib.legend.Legend)]
+    texts = {legend.get_title().get_text(): [t.get_text() for t in legend.get_texts()]
+             for legend in legends}
+    assert texts == {"replay": list(t09.REPLAYS), "engine noise": ["σ = 1"]}
+    assert all(t.get_fontsize() >= 9 for legend in legends for t in legend.get_texts())
+
+
+def test_the_bias_grid_equals_replay_gradient_and_keeps_known_entries():
+    estimator = t09.tr09_estimator()
+    world = t09.tr09_world(1.0)
+    known = {(1.0, 0.0, "none"): replay_gradient(world, world.old, estimator, "none")}
+    grid = t09.bias_grid([1.0], [0.0, 0.1], estimator, known=known)
+    assert grid[1.0, 0.0, "none"] is known[1.0, 0.0, "none"]
+    for s in (0.0, 0.1):
+        model = world.old if s == 0 else world.stale(s)
+        for replay in t09.REPLAYS:
+            want, got = replay_gradient(world, model, estimator, replay), grid[1.0, s, replay]
+            for field in ("mean", "true_grad", "replayed_grad", "surrogate_grad", "engine_grad"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), (s, replay, field)
+            assert got.variance == want.variance
 
 
 def test_run_rows_summarize_the_traces():

@@ -3,7 +3,8 @@
 Each expected value is computed by the package along a route the tutorial does not ask the
 student to take: Gauss–Hermite quadrature where the student uses the closed forms, exact
 ``kl_penalty_moments`` and ``kl_gradients`` on :func:`tokenmdp.course.tutorials.t08.kl_world` where the
-student reads the gradient table.
+student reads the gradient table. The true option of each prediction (``tr08_predict_*``) is
+computed from the same setups.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 
 import numpy as np
 
-from tokenmdp.course.exercises.registry import EXACT_TOL, _exercise
+from tokenmdp.course.exercises.registry import EXACT_TOL, _exercise, _prediction, expected
 from tokenmdp.course.tutorials.t08 import kl_world
 from tokenmdp.estimators import KLPenalty, kl_k3
 
@@ -25,6 +26,12 @@ ROOT_TOL = 1e-8
 QUADRATURE_NODES = 120
 #: The sequence world of the gradient exercises (responses of at most 3 tokens).
 TR08_SEQUENCE_LEN = 3
+#: The bandit world of the off-policy prediction (responses of one token).
+TR08_BANDIT_LEN = 1
+#: Mean shifts at which the prediction on k3's spread compares it with k2's (across the bracket).
+TR08_SPREAD_GRID = 51
+#: The options of the prediction on the size of k3's loss bias, as numbers.
+TR08_BIAS_SIZES = {"0": 0.0, "0.3": 0.3, "1": 1.0}
 
 
 def _gaussian_relative_sds(mu: float) -> tuple[float, float]:
@@ -62,6 +69,18 @@ def _tr08_k3_k2_crossover() -> float:
     return 0.5 * (lo + hi)
 
 
+@_prediction("tr08_predict_k3_spread_stays_below_k2",
+             question="As q = N(μ, 1) moves away from p = N(0, 1) (μ from 0.5 to 3), does k3 keep "
+                      "a smaller standard deviation than k2?",
+             options=("yes", "no"),
+             hint="Compare how the two spreads grow with μ: k2 = ½(log r)² is a polynomial in a "
+                  "Gaussian, while k3 contains r − 1 itself, a lognormal variable.")
+def _tr08_predict_k3_spread_stays_below_k2() -> str:
+    below = [sd3 < sd2 for sd2, sd3 in map(_gaussian_relative_sds,
+                                           np.linspace(*TR08_BRACKET, TR08_SPREAD_GRID))]
+    return "yes" if all(below) else "no"
+
+
 def _relative_distance(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
@@ -80,6 +99,41 @@ def _tr08_k3_loss_relative_bias() -> float:
     delivered = -kl_penalty_moments(mdp, pi, ref, KLPenalty(coef=1.0, in_reward=False,
                                                             estimator=kl_k3)).mean
     return _relative_distance(delivered, kl_gradients(mdp, pi, ref).reverse)
+
+
+@_prediction("tr08_predict_k3_loss_bias_size",
+             question="On the sequence task, is ‖E[∇k3 in the loss] − ∇KL(π‖π_ref)‖ / "
+                      "‖∇KL(π‖π_ref)‖ closer to 0, 0.3 or 1?",
+             options=tuple(TR08_BIAS_SIZES),
+             hint="Per state, E[∇k3] is −Σ_a π_ref(a|s) ∇log π(a|s), a forward-KL gradient, and "
+                  "it ignores the later tokens: it agrees with the reverse-KL gradient only to "
+                  "first order in the distance between π and π_ref, and π has moved by a step "
+                  "of 3.")
+def _tr08_predict_k3_loss_bias_size() -> str:
+    bias = expected("tr08_k3_loss_relative_bias")
+    return min(TR08_BIAS_SIZES, key=lambda option: abs(TR08_BIAS_SIZES[option] - bias))
+
+
+@_prediction("tr08_predict_weight_repairs",
+             question="Where does the per-token weight sg(π_θ/μ) make the stale k3-in-the-loss "
+                      "gradient exactly the on-policy one: in both worlds, in the bandit only, or "
+                      "in neither?",
+             options=("both", "bandit", "neither"),
+             hint="The weight changes which action is counted at a state, not how often μ "
+                  "reaches the state: ask in which world the states reached do not depend on "
+                  "the policy.")
+def _tr08_predict_weight_repairs() -> str:
+    from tokenmdp.exact.analysis.kl_gradients import kl_penalty_moments
+
+    exact = []
+    for max_len in (TR08_BANDIT_LEN, TR08_SEQUENCE_LEN):
+        mdp, pi, ref, mu = kl_world(max_len)
+        weighted = KLPenalty(coef=1.0, in_reward=False, importance_weighted=True)
+        off = kl_penalty_moments(mdp, pi, ref, weighted, behavior=mu).mean
+        on = kl_penalty_moments(mdp, pi, ref, KLPenalty(coef=1.0, in_reward=False)).mean
+        exact.append(_relative_distance(off, on) <= EXACT_TOL)
+    return {(True, True): "both", (True, False): "bandit", (False, False): "neither"}.get(
+        tuple(exact), "sequence only")
 
 
 @_exercise("tr08_is_k3_off_policy_gap",

@@ -6,17 +6,24 @@ The setup is :func:`tokenmdp.course.tutorials.t09.tr09_world`: the copy task, it
 (router-score noise ``TR09_SELECTION_NOISE``). Each expected value is computed by the package
 along a route the tutorial does not ask the student to take: the flip fraction through the
 trainer's own counter (:func:`~tokenmdp.rl.mismatch.routing_mismatch_counts`), the KL of whole
-responses over the expected length, R3's target through the engine's own gradient.
+responses over the expected length, R3's target through the engine's own gradient. The true
+option of each prediction (``tr09_predict_*``) is computed from the same world.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise
+from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise, _prediction, expected
 
 #: The engine of the exercises: router-score noise of this standard deviation, selection only.
 TR09_SELECTION_NOISE = 1.0
+#: The threshold of the prediction on the KL per token (nats).
+TR09_KL_THRESHOLD = 1e-2
+#: The options of the prediction on R3's target shift, as fractions of ‖∇J(π_old)‖.
+TR09_SHIFT_SIZES = {"1%": 0.01, "10%": 0.1, "30%": 0.3}
 
 
 def _world():
@@ -37,6 +44,32 @@ def _tr09_flip_fraction() -> float:
     return _world().flip_fraction()
 
 
+def _uniform_flip_share(world) -> float:
+    """The share of flipped records among all enumerated responses, each counted once (every
+    token but the last, prompt tokens included), through the trainer's own counter."""
+    from tokenmdp.rl.mismatch import routing_mismatch_counts
+
+    enum = world.mdp.enumerate()
+    last_R = enum.sequence_lengths_total() - 1
+    keep_RC = torch.arange(enum.tokens.shape[1])[None, :] < last_R[:, None]
+    engine = torch.where(keep_RC[..., None, None], world.engine_routing, -1)
+    differ, compared = routing_mismatch_counts(engine, world.old_routing)
+    return differ / compared
+
+
+@_prediction("tr09_predict_flip_weighting",
+             question="For the σ = 1 engine, is the flip fraction under μ's sampling larger or "
+                      "smaller than the share of flipped records among all enumerated responses, "
+                      "each counted once?",
+             options=("larger", "smaller"),
+             hint="The two shares weigh the same records differently: ask which responses μ makes "
+                  "likely, and whether their records flip more or less often than those of the "
+                  "long, unlikely responses that dominate the enumeration.")
+def _tr09_predict_flip_weighting() -> str:
+    world = _world()
+    return "larger" if world.flip_fraction() > _uniform_flip_share(world) else "smaller"
+
+
 @_exercise("tr09_kl_per_token",
            quantity="KL(μ ‖ π_old) per token, without routing replay",
            tolerance=EXACT_TOL, tolerance_name="EXACT_TOL",
@@ -49,6 +82,17 @@ def _tr09_kl_per_token() -> float:
     with torch.no_grad():
         kl = sequence_kl(world.mdp, world.mu, world.old_policy("none"))
         return float(kl / expected_length(world.mdp, world.mu))
+
+
+@_prediction("tr09_predict_kl_per_token_size",
+             question="For the σ = 1 engine, most of whose routing records flip, is "
+                      "KL(μ ‖ π_old) per token above or below 10⁻² nats?",
+             options=("above", "below"),
+             hint="A flip changes which experts compute a token, not necessarily its next-token "
+                  "distribution: ask how different the outputs of two experts of the same kind "
+                  "are, when both are gated by the softmax of the true scores.")
+def _tr09_predict_kl_per_token_size() -> str:
+    return "above" if expected("tr09_kl_per_token") > TR09_KL_THRESHOLD else "below"
 
 
 @_exercise("tr09_r3_target_shift",
@@ -64,3 +108,15 @@ def _tr09_r3_target_shift() -> float:
     true = gradient(world.mdp, world.old)
     engine = gradient(world.mdp, world.engine_at(world.old))   # = the R3 policy's, exactly
     return float((engine - true).norm() / true.norm())
+
+
+@_prediction("tr09_predict_r3_shift_size",
+             question="Relative to ‖∇J(π_old)‖, is the distance between R3's gradient at the "
+                      "first mini-batch and ∇J(π_old) closer to 1%, 10% or 30% (σ = 1 engine)?",
+             options=tuple(TR09_SHIFT_SIZES),
+             hint="The KL compares probabilities; a gradient compares parameters: the gradient "
+                  "of a token whose experts flipped flows into other experts' weights, however "
+                  "alike their outputs are.")
+def _tr09_predict_r3_shift_size() -> str:
+    shift = expected("tr09_r3_target_shift")
+    return min(TR09_SHIFT_SIZES, key=lambda option: abs(math.log(shift / TR09_SHIFT_SIZES[option])))

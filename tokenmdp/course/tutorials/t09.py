@@ -23,7 +23,7 @@ import torch
 from tokenmdp.course.display import finish
 from tokenmdp.course.setups import copy_task
 from tokenmdp.estimators import Aggregation, Estimator, LeaveOneOut, NoCorrection, TokenRatio
-from tokenmdp.exact import expected_length, sequence_kl
+from tokenmdp.exact import expected_length, flat_grad, gradient, moments, sequence_kl, surrogate
 from tokenmdp.rl.mismatch import (
     ENGINE_ROUTING,
     OLD_ROUTING,
@@ -31,8 +31,8 @@ from tokenmdp.rl.mismatch import (
     routing_mismatch_counts,
     training_inference_kl,
 )
-from tokenmdp.rl.replay_bias import ReplayGradient, ReplayWorld, replay_gradient
-from tokenmdp.rl.replay_exact import engine_model, moe_policy
+from tokenmdp.rl.replay_bias import ReplayGradient, ReplayWorld
+from tokenmdp.rl.replay_exact import RoutedPolicy, engine_model, moe_policy
 from tokenmdp.rl.replay_runs import mdp_training_run
 from tokenmdp.rl.rollout import RolloutEngine
 
@@ -147,10 +147,14 @@ def sampled_engine_stats(world: ReplayWorld, *, precision: str, selection_noise:
     return out
 
 
-def bias_grid(sigmas: Sequence[float], stalenesses: Sequence[float], estimator=None
-              ) -> dict[tuple, ReplayGradient]:
+def bias_grid(sigmas: Sequence[float], stalenesses: Sequence[float], estimator=None, *,
+              known: Mapping[tuple, ReplayGradient] | None = None) -> dict[tuple, ReplayGradient]:
     """:func:`~tokenmdp.rl.replay_bias.replay_gradient` for every engine noise, staleness and
-    replay.
+    replay, the targets that no replay changes computed once per point.
+
+    At each ``(σ, s)`` the three replays share ``∇J`` of the freely routed policy, the engine's
+    ``∇J(μ_θ)`` and the surrogate's gradient; each replay adds its own exact moments and (R2,
+    R3) the gradient of its replayed policy. The entries equal ``replay_gradient``'s.
 
     Parameters
     ----------
@@ -160,6 +164,9 @@ def bias_grid(sigmas: Sequence[float], stalenesses: Sequence[float], estimator=N
         Distances of ``θ`` from ``θ_old`` along ``∇J(π_old)`` (0: the first mini-batch).
     estimator : Estimator, optional
         Default :func:`tr09_estimator`.
+    known : mapping, optional
+        ``(σ, s, replay) -> ReplayGradient`` already computed with this estimator (by
+        ``replay_gradient`` on ``tr09_world(σ)``): taken as they are.
 
     Returns
     -------
@@ -167,19 +174,39 @@ def bias_grid(sigmas: Sequence[float], stalenesses: Sequence[float], estimator=N
         ``(σ, s, replay) -> ReplayGradient``.
     """
     estimator = tr09_estimator() if estimator is None else estimator
+    known = {} if known is None else known
     out = {}
     for sigma in sigmas:
         world = tr09_world(sigma)
         for s in stalenesses:
             model = world.old if s == 0 else world.stale(s)
+            free = RoutedPolicy(world.mdp, model)
+            true = gradient(world.mdp, free)
+            engine = gradient(world.mdp, world.engine_at(model))
+            with torch.enable_grad():
+                sur = flat_grad(surrogate(world.mdp, free, RoutedPolicy(world.mdp, world.old)),
+                                free)
             for replay in REPLAYS:
-                out[sigma, s, replay] = replay_gradient(world, model, estimator, replay)
+                if (sigma, s, replay) in known:
+                    out[sigma, s, replay] = known[sigma, s, replay]
+                    continue
+                policy = world.policy(model, replay)
+                m = moments(world.mdp, policy, estimator, group_size=2, behavior=world.mu,
+                            old=world.old_policy(replay), method="enumeration")
+                out[sigma, s, replay] = ReplayGradient(
+                    mean=m.mean, true_grad=true, surrogate_grad=sur, variance=m.total_variance,
+                    replayed_grad=true if replay == "none" else gradient(world.mdp, policy),
+                    engine_grad=engine)
     return out
 
 
 def bias_figure(grid: Mapping[tuple, ReplayGradient]):
-    """Two panels: the relative bias of each replay against the trainer's ``∇J(π_θ)`` and against
-    the engine's ``∇J(μ_θ)``, over the staleness, one line style per engine noise.
+    """Two stacked panels: the relative bias of each replay against the trainer's ``∇J(π_θ)``
+    (top) and against the engine's ``∇J(μ_θ)`` (bottom), over the staleness.
+
+    Colour is the replay, line style the engine noise; the top panel carries one legend for
+    each, so that the figure reads at a page's column width (7.5 in wide, fonts of 9 pt and
+    more).
 
     Parameters
     ----------
@@ -191,17 +218,29 @@ def bias_figure(grid: Mapping[tuple, ReplayGradient]):
     matplotlib.figure.Figure
         The figure.
     """
+    from matplotlib.lines import Line2D
+
     sigmas = sorted({k[0] for k in grid})
     stalenesses = sorted({k[1] for k in grid})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
-    for ax, attr, target in zip(axes, ("relative_bias", "engine_bias"), ("π_θ", "μ_θ")):
-        for replay, color in zip(REPLAYS, ("0.35", "C0", "C3")):
-            for sigma, style in zip(sigmas, ("-", "--", ":")):
+    colors, styles = dict(zip(REPLAYS, ("0.35", "C0", "C3"))), dict(zip(sigmas, ("-", "--", ":")))
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 7.4), sharex=True, sharey=True)
+    for ax, attr, target, who in zip(axes, ("relative_bias", "engine_bias"), ("π_θ", "μ_θ"),
+                                     ("the trainer's", "the engine's")):
+        for replay in REPLAYS:
+            for sigma in sigmas:
                 ax.plot(stalenesses, [getattr(grid[sigma, s, replay], attr) for s in stalenesses],
-                        style, marker="o", ms=3, color=color, label=f"{replay}, σ = {sigma:g}")
-        finish(ax, title=f"E ĝ against ∇J({target})", xlabel="staleness ‖θ − θ_old‖",
-               ylabel=f"‖E ĝ − ∇J({target})‖ / ‖∇J({target})‖", legend=ax is axes[0],
-               legend_fontsize=7)
+                        styles[sigma], marker="o", ms=3, color=colors[replay])
+        finish(ax, title=f"E ĝ against {who} gradient ∇J({target})",
+               xlabel="staleness ‖θ − θ_old‖" if ax is axes[-1] else "",
+               ylabel=f"‖E ĝ − ∇J({target})‖ / ‖∇J({target})‖", legend=False)
+    top = axes[0]
+    noise = top.legend(handles=[Line2D([], [], color="0.5", ls=styles[s], label=f"σ = {s:g}")
+                                for s in sigmas], title="engine noise", fontsize=9,
+                       title_fontsize=9, loc="upper left")
+    top.add_artist(noise)
+    top.legend(handles=[Line2D([], [], color=colors[r], marker="o", ms=3, label=r)
+                        for r in REPLAYS], title="replay", fontsize=9, title_fontsize=9,
+               loc="lower right")
     fig.tight_layout()
     return fig
 
