@@ -47,7 +47,8 @@
 # 4. check, in an exercise, what the other replay mode (R2) does to the `old_logprob` pass;
 # 5. skip the `old_logprob` pass on purpose and see the mismatch vanish from every number.
 #
-# The whole notebook runs in well under a minute on one CPU thread.
+# The whole notebook takes under a minute of CPU time on one thread (`benchmarks/tutorials.py`
+# measures each tutorial).
 
 # %% [markdown]
 # ## Setup
