@@ -32,6 +32,7 @@ import ast
 import functools
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,30 @@ def test_every_check_cell_passed_its_solution(path):
                        if out.get("output_type") == "stream")
         for name, variable in calls:
             assert f"{name}: right" in text, (path.name, index, name, variable, text[-300:])
+
+
+def test_the_docs_cache_serves_only_the_same_source(tmp_path, monkeypatch):
+    """A cached execution is reused for the tutorial it was made from, not for an edited one;
+    under the CI switch a tutorial missing from the cache fails instead of running twice."""
+    from jupyter_cache import get_cache
+    from jupyter_cache.base import CacheBundleIn
+
+    monkeypatch.setattr(sys.modules[__name__], "DOCS_CACHE", tmp_path / "cache")
+    source = SOURCES[0]
+    executed = jupytext.read(source, fmt="py:percent")
+    for cell in executed.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="ran\n")]
+            cell.execution_count = 1
+    get_cache(tmp_path / "cache").cache_notebook_bundle(
+        CacheBundleIn(executed, str(source)), check_validity=False)
+    first = next(i for i, cell in enumerate(executed.cells) if cell.cell_type == "code")
+    same = _from_docs_cache(jupytext.read(source, fmt="py:percent"))
+    assert same is not None and same.cells[first].outputs[0]["text"] == "ran\n"
+    edited = jupytext.read(source, fmt="py:percent")
+    edited.cells[first].source += "\n# edited"
+    assert _from_docs_cache(edited) is None
+    monkeypatch.setenv(FROM_DOCS_ENV, "1")
+    monkeypatch.setattr(sys.modules[__name__], "DOCS_CACHE", tmp_path / "no_cache")
+    with pytest.raises(pytest.fail.Exception, match="not in the docs build's execution cache"):
+        _executed.__wrapped__(source)
