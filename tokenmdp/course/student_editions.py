@@ -115,6 +115,10 @@ def _stub(checked: dict[str, str], also: list[str]) -> str:
     lines = [SOLUTION,
              "# Your solution here: the exercise is described above, the next cell checks it.",
              "# Replace each unsolved(...) below by your answer (computed in code, not typed in)."]
+    predictions = [name for name, ex in checked.items() if "_predict_" in ex]
+    if predictions:
+        lines.append(f"# Except {', '.join(predictions)}: a prediction, typed in before you compute "
+                     f"(one of the options the text names).")
     if also:
         lines.append(f"# Later cells also use: {', '.join(also)} (define them here too).")
     exercise = next(iter(checked.values()))
