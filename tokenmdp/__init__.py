@@ -6,6 +6,7 @@ Floors, top to bottom::
 
     cli
     course
+    integrations
     reports, rl, testing, interop
     exact, model
     estimators
@@ -26,6 +27,8 @@ Floors, top to bottom::
   trainer), :mod:`tokenmdp.testing` (hypothesis strategies and invariance checks),
   :mod:`tokenmdp.interop` (Hugging Face batches, logits and models), :mod:`tokenmdp.reports`
   (the compare table, its hints, the estimator cards, plots);
+* :mod:`tokenmdp.integrations` — a peer's configuration (TRL's ``GRPOConfig``, verl's actor
+  config) as the estimator it computes, with its card and ``compare`` row; over the front ends;
 * :mod:`tokenmdp.course` — the tutorials' setups, printouts, exercises (``tokenmdp.check``,
   loaded on first use) and student editions; :mod:`tokenmdp.cli`, the command line, on top.
 

@@ -1,19 +1,16 @@
-"""The ``tokenmdp`` command line.
+"""The ``tokenmdp`` command line. Subcommands:
 
-Subcommands:
-
-* ``tokenmdp compare`` — the main job: exact bias, variance and MSE of estimators on a small MDP
-  (:mod:`tokenmdp.reports.comparison`), as a table with a legend and hints (:mod:`tokenmdp.reports.hints`),
-  a PNG plot and CSV/JSON files;
-* ``tokenmdp estimators`` — the estimator registry as a table; ``tokenmdp estimators NAME`` — one
-  estimator's card (:mod:`tokenmdp.reports.cards`);
-* ``tokenmdp exact`` — build a small token MDP and a policy, print the exact ``J`` and ``∇J``;
-* ``tokenmdp sft`` / ``tokenmdp train`` — the trainer (:mod:`tokenmdp.rl.trainer`), options generated
-  from :class:`tokenmdp.rl.config.TrainConfig`;
-* ``tokenmdp plot`` — training curves of runs from their ``metrics.jsonl`` (:mod:`tokenmdp.rl.plot`);
-* ``tokenmdp tutorials`` — the tutorials and their exercises; ``tokenmdp tutorials --student
-  OUT_DIR`` — their student editions (solutions stubbed, checks kept) beside the full ones
-  (:mod:`tokenmdp.course.student_editions`).
+* ``compare`` — the main job: exact bias, variance and MSE of estimators on a small MDP
+  (:mod:`tokenmdp.reports.comparison`), a table with a legend and hints (:mod:`tokenmdp.reports.hints`),
+  a PNG plot, CSV/JSON files; ``--trl-config`` / ``--verl-config FILE`` add a peer's configured
+  estimator as a row (:mod:`tokenmdp.integrations.commands`);
+* ``estimators`` — the registry as a table; ``estimators NAME`` — one estimator's card
+  (:mod:`tokenmdp.reports.cards`); ``--from-trl`` / ``--from-verl FILE`` — a configuration's;
+* ``exact`` — build a small token MDP and a policy, print the exact ``J`` and ``∇J``;
+* ``sft`` / ``train`` — the trainer (:mod:`tokenmdp.rl.trainer`), options from
+  :class:`tokenmdp.rl.config.TrainConfig`; ``plot`` — training curves (:mod:`tokenmdp.rl.plot`);
+* ``tutorials`` — the tutorials and their exercises; ``--student OUT_DIR`` — their student
+  editions beside the full ones (:mod:`tokenmdp.course.student_editions`).
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tokenmdp.integrations import commands as configs
 from tokenmdp.reports.comparison import METHODS, POLICIES, REWARDS, SCENARIOS, Setup
 
 __all__ = ["main", "make_parser"]
@@ -174,18 +172,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError("--estimators: give at least one registry name")
     for n in names:
         estimators.get(n)  # unknown names fail here, before any work
+    extra = configs.configured(args.trl_config, args.verl_config)  # --trl-config, --verl-config
     setup = _setup(args)
     created = not Path(args.out).exists()   # ('' is refused by _output_folder)
     out = _output_folder(args.out)
     try:
-        return _compare(args, setup, names, out)
+        return _compare(args, setup, names, out, extra)
     except BaseException:           # a refused size or Ctrl-C: leave no empty folder behind
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         raise
 
 
-def _compare(args: argparse.Namespace, setup: Setup, names: list[str], out: Path) -> int:
+def _compare(args: argparse.Namespace, setup: Setup, names: list[str], out: Path, extra) -> int:
     import torch
 
     from tokenmdp.exact import sequence_kl
@@ -206,9 +205,10 @@ def _compare(args: argparse.Namespace, setup: Setup, names: list[str], out: Path
         row, m = timed_row(lab, name)
         rows.append(row)
         results.append(m)
+    rows += configs.rows(lab, extra)[0]
     cells = [row_cells(row) for row in rows]
-    widths = [max([w, *(len(c[i]) for c in cells)]) for i, w in
-              enumerate(column_widths(names, monte_carlo=setup.method == "monte_carlo"))]
+    widths = [max([w, *(len(c[i]) for c in cells)]) for i, w in enumerate(column_widths(
+        [r["estimator"] for r in rows], monte_carlo=setup.method == "monte_carlo"))]
     header = format_line([h for h, _, _ in COLUMNS], widths)
     print(header)
     print("-" * len(header))
@@ -220,6 +220,7 @@ def _compare(args: argparse.Namespace, setup: Setup, names: list[str], out: Path
         print(f"  {column:<10} {meaning}")
     for hint in hints(lab, names, results):
         print(textwrap.fill(f"hint: {hint}", WRAP, subsequent_indent="      "))
+    configs.print_notes(extra)   # the configured rows' notes (--trl-config, --verl-config)
     config = {k: v for k, v in vars(args).items() if k != "func"}
     _write_outputs(out, rows, config, f"{lab.mdp!r}\nscenario {setup.scenario}, "
                                       f"G = {setup.group_size}")
@@ -231,6 +232,8 @@ def cmd_estimators(args: argparse.Namespace) -> int:
     """List the estimator registry as a table, or print one estimator's card."""
     from tokenmdp import estimators
 
+    if args.from_trl is not None or args.from_verl is not None:   # a configuration's card
+        return configs.print_card(args)
     if args.name is None:
         print(estimators.format_table(wide=args.wide))
         return 0
@@ -312,6 +315,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="one column per part (surrogate, advantage, correction, aggregation, "
                         "KL) and the paper, however wide")
     p.set_defaults(func=cmd_estimators)
+    configs.add_options(compare=sub.choices["compare"], estimators=p)
     p = sub.add_parser("exact", help=cmd_exact.__doc__, description=cmd_exact.__doc__,
                        formatter_class=shown)
     add_mdp_arguments(p)
@@ -356,12 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = make_parser()
     args = parser.parse_args(argv)
-    from tokenmdp.rl.run_state import (
-        INTERRUPTED_NOW,
-        INTERRUPTED_STATUS,
-        NonFiniteError,
-        RunInterrupted,
-    )
+    from tokenmdp.rl.run_state import INTERRUPTED_NOW, INTERRUPTED_STATUS, NonFiniteError, RunInterrupted
 
     try:
         return int(args.func(args) or 0)
