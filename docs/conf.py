@@ -71,12 +71,14 @@ python_use_unqualified_type_names = True
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|np|matplotlib|hypothesis|argparse|pathlib|collections|typing|"
-               r"dataclasses|enum|abc|os|io|contextlib|functools|types)(\..*)?"),
+               r"dataclasses|enum|abc|os|io|contextlib|functools|types|trl|transformers|datasets)(\..*)?"),
     (r"py:.*", r"(int|float|str|bool|bytes|object|None|list|tuple|dict|set|Callable|Sequence|"
                r"Mapping|Iterable|Iterator|Any|Path|Tensor|Generator|Enum|ABC|Protocol|"
                r"NamedTuple|Exception|ValueError|TypeError|RuntimeError)"),
     # nn.Module.forward's docstring, inherited by the models' forward methods
     (r"py:class", r"Module"),
+    # TRL's trainer, the base of tokenmdp.integrations.trl_trainer's subclass (the trl extra)
+    (r"py:class", r"GRPOTrainer"),
 ]
 
 # -- HTML -----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ network.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import re
@@ -27,12 +28,15 @@ from tokenmdp import estimators  # noqa: E402
 
 # The attention module that is loaded lazily, on CUDA only.
 NOT_IN_API = {"tokenmdp.model.flex"}
+if importlib.util.find_spec("trl") is None:   # the optional extra is not installed
+    NOT_IN_API.add("tokenmdp.integrations.trl_trainer")
 
 
 def _public_modules_with_all():
     found = []
     for info in pkgutil.walk_packages(tokenmdp.__path__, "tokenmdp."):
-        if any(part.startswith("_") for part in info.name.split(".")):
+        if any(part.startswith("_") for part in info.name.split(".")) or \
+                info.name in NOT_IN_API:
             continue
         module = importlib.import_module(info.name)
         if hasattr(module, "__all__"):

@@ -13,6 +13,7 @@ so the notebook cache and incremental builds keep working) and is ignored by git
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -185,6 +186,8 @@ def write_estimator_cards(live: bool) -> None:
 
 
 NOT_IN_API = {"tokenmdp.model.flex"}  # loaded lazily, on CUDA only
+if importlib.util.find_spec("trl") is None:   # the optional extra is not installed
+    NOT_IN_API.add("tokenmdp.integrations.trl_trainer")
 
 
 def api_modules() -> list[tuple[str, str]]:

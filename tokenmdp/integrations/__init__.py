@@ -8,7 +8,7 @@ written against trl 1.16.0 and verl 0.9.1 (their field names and defaults are pi
 
 Floors, top to bottom::
 
-    commands
+    commands, trl_trainer
     trl, verl
     common
 
@@ -18,7 +18,10 @@ Floors, top to bottom::
 * :mod:`~tokenmdp.integrations.verl` — ``actor_rollout_ref.actor`` and ``algorithm`` → estimator;
 * :mod:`~tokenmdp.integrations.commands` — the command line's ``--trl-config`` /
   ``--verl-config`` (``tokenmdp compare``) and ``--from-trl`` / ``--from-verl``
-  (``tokenmdp estimators``).
+  (``tokenmdp estimators``);
+* :mod:`~tokenmdp.integrations.trl_trainer` — ``TokenMDPGRPOTrainer``, TRL's ``GRPOTrainer``
+  training with any registry estimator; it needs the extra (``pip install "tokenmdp[trl]"``,
+  trl 1.16.x) and is imported only on request, never by this front door.
 
 It stands above the front ends (it reads :mod:`tokenmdp.reports` for the compare row).
 """
