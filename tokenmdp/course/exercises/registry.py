@@ -108,6 +108,12 @@ def _exercise(name: str, *, quantity: str, tolerance: float, tolerance_name: str
     return register
 
 
+def _nearest_option(value: float, candidates: dict[str, float], *, log: bool = False) -> str:
+    """The option whose candidate is nearest to ``value`` (on a log scale with ``log``)."""
+    return min(candidates, key=lambda o: abs(math.log(value / candidates[o]) if log
+                                             else value - candidates[o]))
+
+
 def _prediction(name: str, *, question: str, options: tuple[str, ...], hint: str):
     if len(options) < 2 or len(set(options)) != len(options) or \
             any(o != o.strip().lower() or not o for o in options):

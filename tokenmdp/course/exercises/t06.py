@@ -9,11 +9,16 @@ each prediction (``tr06_predict_*``) is read off the same exact value.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise, _prediction, expected
+from tokenmdp.course.exercises.registry import (
+    EXACT_TOL,
+    SHARE_TOL,
+    _exercise,
+    _nearest_option,
+    _prediction,
+    expected,
+)
 from tokenmdp.course.setups import copy_task, ppo_clip_fraction, step_along
 from tokenmdp.estimators import GSPO, Aggregation, Estimator, LeaveOneOut, Surrogate
 from tokenmdp.exact import gradient, moments, objective, surrogate
@@ -79,7 +84,7 @@ def _tr06_clip_fraction() -> float:
                   "token's probability with ε = 0.2.")
 def _tr06_predict_clip_share() -> str:
     share = expected("tr06_clip_fraction")        # the nearest option on a log scale
-    return min(TR06_CLIP_SHARES, key=lambda option: abs(math.log(share / TR06_CLIP_SHARES[option])))
+    return _nearest_option(share, TR06_CLIP_SHARES, log=True)
 
 
 def tr06_estimator(surrogate_part: Surrogate) -> Estimator:

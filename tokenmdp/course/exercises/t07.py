@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise, _prediction, expected
+from tokenmdp.course.exercises.registry import (
+    EXACT_TOL,
+    SHARE_TOL,
+    _exercise,
+    _nearest_option,
+    _prediction,
+    expected,
+)
 from tokenmdp.course.setups import copy_task
 from tokenmdp.estimators import get
 from tokenmdp.exact import inference_copy, moments
@@ -120,7 +127,7 @@ def _tr07_minirl_bias() -> float:
 def _tr07_predict_minirl_bias() -> str:
     mdp, old, mu = tr07_engine()
     kept = expected("tr07_minirl_bias") / tr07_relative_deviation(mdp, old, mu, get("minirl_no_is"))
-    return min(TR07_KEPT_SHARES, key=lambda option: abs(kept - TR07_KEPT_SHARES[option]))
+    return _nearest_option(kept, TR07_KEPT_SHARES)
 
 
 @_exercise("tr07_sequence_ess",

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from tokenmdp.course.exercises.registry import EXACT_TOL, _exercise, _prediction, expected
+from tokenmdp.course.exercises.registry import EXACT_TOL, _exercise, _nearest_option, _prediction, expected
 from tokenmdp.course.tutorials.t08 import kl_world
 from tokenmdp.estimators import KLPenalty, kl_k3
 
@@ -111,7 +111,7 @@ def _tr08_k3_loss_relative_bias() -> float:
                   "of 3.")
 def _tr08_predict_k3_loss_bias_size() -> str:
     bias = expected("tr08_k3_loss_relative_bias")
-    return min(TR08_BIAS_SIZES, key=lambda option: abs(TR08_BIAS_SIZES[option] - bias))
+    return _nearest_option(bias, TR08_BIAS_SIZES)
 
 
 @_prediction("tr08_predict_weight_repairs",

@@ -12,11 +12,16 @@ option of each prediction (``tr09_predict_*``) is computed from the same world.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise, _prediction, expected
+from tokenmdp.course.exercises.registry import (
+    EXACT_TOL,
+    SHARE_TOL,
+    _exercise,
+    _nearest_option,
+    _prediction,
+    expected,
+)
 
 #: The engine of the exercises: router-score noise of this standard deviation, selection only.
 TR09_SELECTION_NOISE = 1.0
@@ -119,4 +124,4 @@ def _tr09_r3_target_shift() -> float:
                   "alike their outputs are.")
 def _tr09_predict_r3_shift_size() -> str:
     shift = expected("tr09_r3_target_shift")
-    return min(TR09_SHIFT_SIZES, key=lambda option: abs(math.log(shift / TR09_SHIFT_SIZES[option])))
+    return _nearest_option(shift, TR09_SHIFT_SIZES, log=True)

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from tokenmdp.course.exercises.registry import EXACT_TOL, SHARE_TOL, _exercise, _prediction, expected
+from tokenmdp.course.exercises.registry import (
+    EXACT_TOL,
+    SHARE_TOL,
+    _exercise,
+    _nearest_option,
+    _prediction,
+    expected,
+)
 from tokenmdp.course.setups import copy_task, step_along
 from tokenmdp.estimators import Aggregation, Estimator, GroupNormalized, KLPenalty, PPOClip, kl_k3
 from tokenmdp.estimators import get as get_estimator
@@ -117,7 +124,7 @@ def _tr10_keep_probability() -> float:
                   "Σ_r P(R = r | x)^4: fourth powers of probabilities well below one are small.")
 def _tr10_predict_keep_share() -> str:
     keep = expected("tr10_keep_probability")
-    return min(TR10_KEEP_SHARES, key=lambda share: abs(TR10_KEEP_SHARES[share] - keep))
+    return _nearest_option(keep, TR10_KEEP_SHARES)
 
 
 def tr10_stale_pair():
