@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import textwrap
-import time
 
 from tokenmdp.integrations.common import ConfiguredEstimator
 from tokenmdp.integrations.trl import estimator_from_trl
@@ -97,15 +96,10 @@ def rows(lab, extra: list[ConfiguredEstimator]) -> tuple[list[dict], list]:
     (list of dict, list of Moments)
         One row each, named as the estimator.
     """
-    from tokenmdp.reports.comparison import measure, summary_row
+    from tokenmdp.reports.comparison import timed_row
 
-    out, moments = [], []
-    for c in extra:
-        t0 = time.perf_counter()
-        m = measure(lab, c.estimator)
-        out.append(summary_row(c.estimator.name, m, time.perf_counter() - t0))
-        moments.append(m)
-    return out, moments
+    measured = [timed_row(lab, c.estimator) for c in extra]
+    return [row for row, _ in measured], [m for _, m in measured]
 
 
 def notes(extra: list[ConfiguredEstimator]) -> list[str]:

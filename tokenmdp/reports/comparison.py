@@ -333,15 +333,15 @@ def summary_row(name: str, m: Moments, seconds: float = 0.0) -> dict:
             "seconds": seconds}
 
 
-def timed_row(lab: Lab, name: str) -> tuple[dict, Moments]:
-    """:func:`summary_row` of the registry estimator ``name``, timed, and its moments.
+def timed_row(lab: Lab, estimator: str | estimators.Estimator) -> tuple[dict, Moments]:
+    """:func:`summary_row` of ``estimator``, timed, and its moments.
 
     Parameters
     ----------
     lab : Lab
         The built comparison.
-    name : str
-        A registry name (``tokenmdp estimators`` lists them).
+    estimator : str or Estimator
+        A registry name (``tokenmdp estimators`` lists them) or a composed estimator (its name).
 
     Returns
     -------
@@ -349,8 +349,9 @@ def timed_row(lab: Lab, name: str) -> tuple[dict, Moments]:
         The row (with the seconds :func:`measure` took) and the moments.
     """
     t0 = time.perf_counter()
-    m = measure(lab, estimators.get(name))
-    return summary_row(name, m, time.perf_counter() - t0), m
+    est = estimators.get(estimator) if isinstance(estimator, str) else estimator
+    m = measure(lab, est)
+    return summary_row(est.name, m, time.perf_counter() - t0), m
 
 
 def describe_scenario(setup: Setup) -> str:
