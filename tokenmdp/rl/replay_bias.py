@@ -29,7 +29,7 @@ from tokenmdp.model import MoETransformer
 from tokenmdp.rl.mismatch import ENGINE_ROUTING, OLD_ROUTING, RoutingReplay, replay_routing
 from tokenmdp.rl.replay_exact import EnginePolicy, RoutedPolicy, enumeration_routing, expected_flip_fraction
 
-__all__ = ["ReplayGradient", "ReplayWorld", "replay_gradient"]
+__all__ = ["ReplayGradient", "ReplayWorld", "replay_gradient", "replay_gradients"]
 
 
 @dataclasses.dataclass
@@ -278,16 +278,43 @@ def replay_gradient(world: ReplayWorld, model: MoETransformer, estimator,
         ``E[ĝ]``, ``∇J`` free and replayed, the surrogate's gradient, the variance and (for an
         ``fp64`` engine) the engine's ``∇J``.
     """
+    return replay_gradients(world, model, estimator, (replay,), group_size=group_size,
+                            method=method)[replay]
+
+
+def replay_gradients(world: ReplayWorld, model: MoETransformer, estimator,
+                     replays, *, group_size: int = 2,
+                     method: str = "enumeration") -> dict:
+    """:func:`replay_gradient` under each of ``replays`` at one ``θ``: the targets that no replay
+    changes (``∇J`` routed freely, the engine's ``∇J``, the surrogate's gradient) computed once.
+
+    Parameters
+    ----------
+    world, model, estimator, group_size, method
+        As for :func:`replay_gradient`.
+    replays : iterable of RoutingReplay or str
+        ``none``, ``r2``, ``r3``, in any number.
+
+    Returns
+    -------
+    dict
+        ``replay -> ReplayGradient``, keyed by the replays as given.
+    """
     if not isinstance(world, ReplayWorld):
         raise TypeError(f"world: expected a ReplayWorld, got {type(world).__name__}")
-    policy = world.policy(model, replay)
-    m = moments(world.mdp, policy, estimator, group_size=group_size, behavior=world.mu,
-                old=world.old_policy(replay), method=method)
     free = RoutedPolicy(world.mdp, model)
+    true = gradient(world.mdp, free)
     engine = (gradient(world.mdp, world.engine_at(model))
               if world.engine.embed.dtype == torch.float64 else None)
     with torch.enable_grad():
         sur = flat_grad(surrogate(world.mdp, free, RoutedPolicy(world.mdp, world.old)), free)
-    return ReplayGradient(mean=m.mean, true_grad=gradient(world.mdp, free),
-                          replayed_grad=gradient(world.mdp, policy), surrogate_grad=sur,
-                          variance=m.total_variance, engine_grad=engine)
+    out = {}
+    for replay in replays:
+        policy = world.policy(model, replay)
+        m = moments(world.mdp, policy, estimator, group_size=group_size, behavior=world.mu,
+                    old=world.old_policy(replay), method=method)
+        replayed = true if world.routing(replay) is None else gradient(world.mdp, policy)
+        out[replay] = ReplayGradient(mean=m.mean, true_grad=true, replayed_grad=replayed,
+                                     surrogate_grad=sur, variance=m.total_variance,
+                                     engine_grad=engine)
+    return out

@@ -23,7 +23,7 @@ import torch
 from tokenmdp.course.display import finish
 from tokenmdp.course.setups import copy_task
 from tokenmdp.estimators import Aggregation, Estimator, LeaveOneOut, NoCorrection, TokenRatio
-from tokenmdp.exact import expected_length, flat_grad, gradient, moments, sequence_kl, surrogate
+from tokenmdp.exact import expected_length, sequence_kl
 from tokenmdp.rl.mismatch import (
     ENGINE_ROUTING,
     OLD_ROUTING,
@@ -31,8 +31,8 @@ from tokenmdp.rl.mismatch import (
     routing_mismatch_counts,
     training_inference_kl,
 )
-from tokenmdp.rl.replay_bias import ReplayGradient, ReplayWorld
-from tokenmdp.rl.replay_exact import RoutedPolicy, engine_model, moe_policy
+from tokenmdp.rl.replay_bias import ReplayGradient, ReplayWorld, replay_gradients
+from tokenmdp.rl.replay_exact import engine_model, moe_policy
 from tokenmdp.rl.replay_runs import mdp_training_run
 from tokenmdp.rl.rollout import RolloutEngine
 
@@ -180,23 +180,11 @@ def bias_grid(sigmas: Sequence[float], stalenesses: Sequence[float], estimator=N
         world = tr09_world(sigma)
         for s in stalenesses:
             model = world.old if s == 0 else world.stale(s)
-            free = RoutedPolicy(world.mdp, model)
-            true = gradient(world.mdp, free)
-            engine = gradient(world.mdp, world.engine_at(model))
-            with torch.enable_grad():
-                sur = flat_grad(surrogate(world.mdp, free, RoutedPolicy(world.mdp, world.old)),
-                                free)
+            todo = [replay for replay in REPLAYS if (sigma, s, replay) not in known]
+            fresh = replay_gradients(world, model, estimator, todo) if todo else {}
             for replay in REPLAYS:
-                if (sigma, s, replay) in known:
-                    out[sigma, s, replay] = known[sigma, s, replay]
-                    continue
-                policy = world.policy(model, replay)
-                m = moments(world.mdp, policy, estimator, group_size=2, behavior=world.mu,
-                            old=world.old_policy(replay), method="enumeration")
-                out[sigma, s, replay] = ReplayGradient(
-                    mean=m.mean, true_grad=true, surrogate_grad=sur, variance=m.total_variance,
-                    replayed_grad=true if replay == "none" else gradient(world.mdp, policy),
-                    engine_grad=engine)
+                out[sigma, s, replay] = (fresh[replay] if replay in fresh
+                                         else known[sigma, s, replay])
     return out
 
 
