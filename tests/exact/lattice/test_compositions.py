@@ -22,23 +22,42 @@ TOL = 1e-10
 MAX_Z = 4.5
 
 GRPO = E.get("grpo")
+TOKEN_MEAN = E.Estimator(surrogate=E.TokenRatio(), advantage=E.GroupMean(),
+                         aggregation=E.Aggregation.TOKEN_MEAN)
 BAND = dict(statistic="k1", high=1.3, low=0.7)
 COMPOSITIONS = {
     # name: (estimator, G, exact, a word of the reason)
     "masked_is_in": (GRPO.replace(correction=E.MaskedIS(high=1.3, masked_in_normalizer=True,
                                                         low=0.7)), 2, True, ""),
     "masked_is_out": (GRPO.replace(correction=E.MaskedIS(high=1.3, masked_in_normalizer=False,
-                                                             low=0.7)), 2, False,
-                      "leave the normalizer"),
+                                                             low=0.7)), 2, True, ""),
     "rejection_token_in": (GRPO.replace(correction=E.RejectionSampling(
         **BAND, masked_in_normalizer=True)), 2, True, ""),
     "rejection_token_out": (GRPO.replace(correction=E.RejectionSampling(
-        **BAND, masked_in_normalizer=False)), 2, False, "leave the normalizer"),
+        **BAND, masked_in_normalizer=False)), 3, True, ""),
     "rejection_sequence": (GRPO.replace(correction=E.RejectionSampling(
         statistic="k3", reduce="mean", high=0.05, masked_in_normalizer=True)), 2, False,
         "not token-level"),
     "snis_token": (GRPO.replace(correction=E.SelfNormalizedIS()), 2, False,
-                   "not a token-local factor"),
+                   "exact only under the token mean"),
+    "snis_token_mean": (TOKEN_MEAN.replace(correction=E.SelfNormalizedIS()), 3, True, ""),
+    "snis_token_mean_capped": (TOKEN_MEAN.replace(correction=E.SelfNormalizedIS(cap=1.1)), 2,
+                               True, ""),
+    "snis_sequence": (TOKEN_MEAN.replace(correction=E.SelfNormalizedIS(level="sequence")), 2,
+                      False, "not token-level"),
+    "token_mean_rejection_out": (TOKEN_MEAN.replace(correction=E.RejectionSampling(
+        **BAND, masked_in_normalizer=False)), 3, True, ""),
+    "token_mean_masked_is_out": (TOKEN_MEAN.replace(correction=E.MaskedIS(
+        high=1.3, masked_in_normalizer=False, low=0.7)), 2, True, ""),
+    "sequence_is_token_mean": (E.get("sequence_is").replace(
+        aggregation=E.Aggregation.TOKEN_MEAN), 3, True, ""),
+    "sequence_is_len_norm": (E.get("sequence_is").replace(
+        aggregation=E.Aggregation.SEQUENCE_MEAN_TOKEN_MEAN), 2, True, ""),
+    "sequence_is_truncated": (E.get("sequence_is").replace(
+        correction=E.TruncatedIS(cap=1.5, level="sequence")), 2, False, "product a product"),
+    "per_decision_vs_old_token_mean": (E.get("per_decision_is").replace(
+        surrogate=E.PerDecisionRatio(against="old"), aggregation=E.Aggregation.TOKEN_MEAN), 2,
+        True, ""),
     "entropy_cispo_tis": (E.Estimator(surrogate=E.EntropyBonus(E.CISPO(), 0.05),
                                       advantage=E.GroupMean(), correction=E.TruncatedIS(1.5),
                                       aggregation=E.Aggregation.SEQUENCE_MEAN_TOKEN_SUM),
@@ -56,7 +75,7 @@ COMPOSITIONS = {
     "token_mean_g1": (E.Estimator(surrogate=E.PPOClip(), advantage=E.RewardAsAdvantage(),
                                   aggregation=E.Aggregation.TOKEN_MEAN), 1, True, ""),
     "token_mean_g2": (E.Estimator(surrogate=E.PPOClip(), advantage=E.RewardAsAdvantage(),
-                                  aggregation=E.Aggregation.TOKEN_MEAN), 2, False, "token-mean"),
+                                  aggregation=E.Aggregation.TOKEN_MEAN), 2, True, ""),
     "sequence_mask_opsm": (GRPO.replace(surrogate=E.OffPolicySequenceMask(E.PPOClip(),
                                                                           delta=0.05)), 2,
                            False, "not token-local"),

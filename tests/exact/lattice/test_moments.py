@@ -65,11 +65,11 @@ def test_exact_moments_equal_enumeration_on_random_automata(mdp, name, G):
     assert_equal_moments(a, b)
 
 
-@pytest.mark.parametrize("name", ["gspo", "ppo", "sequence_is"])
+@pytest.mark.parametrize("name", ["gspo", "gmpo", "grpo_trl_mis"])
 def test_monte_carlo_fallback_within_standard_errors(name):
-    """Not exact on the lattice (GSPO's geometric mean, the token mean's normalizer at G = 3,
-    a sequence ratio): ``auto`` falls back to Monte Carlo and says so; it agrees with the
-    enumeration within its standard errors."""
+    """Not exact on the lattice (GSPO's and GMPO's geometric means, a sequence-level masked
+    weight): ``auto`` falls back to Monte Carlo and says so; it agrees with the enumeration
+    within its standard errors."""
     a, b = both(lattice(), name, 3, num_samples=4000)
     assert a.method == "monte_carlo" and a.covariance is None
     assert ((a.mean - b.mean).abs() / a.mean_se.clamp(min=1e-300)).max() <= MAX_Z
@@ -129,8 +129,8 @@ def test_method_lattice_refuses_what_is_not_exact():
     pi, mu, old = policies(mdp)
     with pytest.raises(ValueError, match="method: not exact.*gspo.*not token-local"):
         L.moments(mdp, pi, estimators.get("gspo"), group_size=2, method="lattice")
-    with pytest.raises(ValueError, match="method: not exact.*token-mean"):
-        L.moments(mdp, pi, estimators.get("dapo"), group_size=2, method="lattice")
+    with pytest.raises(ValueError, match="method: not exact.*kl_cov.*not token-local"):
+        L.moments(mdp, pi, estimators.get("kl_cov"), group_size=2, method="lattice")
     with pytest.raises(ValueError, match="reference: .*grpo"):
         L.moments(mdp, pi, estimators.get("grpo"), group_size=2)
     with pytest.raises(ValueError, match="group_size"):
@@ -145,19 +145,25 @@ def test_exact_support_reasons():
     ok, why = L.exact_support(estimators.get("dapo"), 1)   # a group std at G = 1 (issue 32)
     assert not ok and why.startswith("undefined at G = 1")
     assert L.exact_support(estimators.get("dr_grpo"), 1) == (True, "")   # group mean: defined
-    for name, words in [("gspo", "not token-local"), ("dapo", "token-mean"),
-                        ("sequence_is", "not token-local")]:
+    for name, words in [("gspo", "not token-local"), ("grpo_rs_seq", "not token-level"),
+                        ("token_snis", "self-normalized IS with aggregation"),
+                        ("ctpo", "not token-local"), ("reinforce_pp_kl", "reads more")]:
         ok, why = L.exact_support(estimators.get(name), 4)
         assert not ok and words in why
+    for name in ("dapo", "sequence_is", "per_decision_is", "grpo_rs_token"):
+        assert L.exact_support(estimators.get(name), 4) == (True, "")
     assert L.length_weights(estimators.get("minirl_len_norm"), 4, max_len=10) == (0.25, True)
     assert L.length_weights(estimators.get("dr_grpo"), 4, max_len=10) == (1 / 40, False)
+    assert L.length_weights(estimators.get("dapo"), 4, max_len=10) is None
+    assert L.weight_form(estimators.get("dapo"), 4, max_len=10) == (1.0, "total")
 
 
 def test_every_exactly_supported_registry_estimator_equals_enumeration():
     """Whatever the registry holds: each entry the lattice claims exact at G = 2 matches the
     enumeration twin."""
     claimed = [n for n in estimators.names() if L.exact_support(estimators.get(n), 2)[0]]
-    assert {"reinforce", "rloo", "grpo", "minirl", "minirl_len_norm", "dr_grpo"} <= set(claimed)
+    assert {"reinforce", "rloo", "grpo", "minirl", "minirl_len_norm", "dr_grpo", "dapo",
+            "sequence_is", "per_decision_is", "grpo_rs_token"} <= set(claimed)
     for name in claimed:
         a, b = both(lattice(), name, 2)
         assert_equal_moments(a, b)

@@ -1,9 +1,10 @@
 """Behaviour policies on the lattice: staleness and training–inference discrepancy.
 
 As :mod:`tokenmdp.exact.world.behavior` builds them for the enumerable MDP: :func:`stale_copy`
-(``π_old``: the logits moved back along a direction or by exact gradient steps) and
-:func:`inference_copy` (``μ``: the same logits rounded to a low-precision grid, perturbed by a
-fixed noise, tempered). Both return :class:`~tokenmdp.exact.lattice.LatticePolicy` objects.
+(``π_old``: the parameter moved back along a direction or by exact gradient steps; a shared
+policy's copy is shared) and :func:`inference_copy` (``μ``: the same logits rounded to a
+low-precision grid, perturbed by a fixed noise, tempered; tabular). Both return
+:class:`~tokenmdp.exact.lattice.LatticePolicy` objects.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ __all__ = ["stale_copy", "inference_copy"]
 def stale_copy(mdp: LatticeMDP, policy: LatticePolicy, *, direction: torch.Tensor | None = None,
                distance: float | None = None, steps: int | None = None,
                lr: float | None = None) -> LatticePolicy:
-    """``π_old``: a copy with its logits moved back (as :func:`tokenmdp.exact.stale_copy`).
+    """``π_old``: a copy with its parameter moved back (as :func:`tokenmdp.exact.stale_copy`).
 
     Give either ``distance`` (``θ_old = θ − distance · u/‖u‖``, ``u = direction``, default
-    ``∇J(θ)``) or ``steps`` and ``lr`` (``k`` exact gradient-descent steps on ``J``).
+    ``∇J(θ)``) or ``steps`` and ``lr`` (``k`` exact gradient-descent steps on ``J``). ``θ`` is
+    the policy's own parameter: the logits of a tabular policy, ``W`` of a shared one (which
+    stays shared).
 
     Parameters
     ----------
@@ -34,7 +37,8 @@ def stale_copy(mdp: LatticeMDP, policy: LatticePolicy, *, direction: torch.Tenso
     policy : LatticePolicy
         The current policy ``π_θ``.
     direction : Tensor, optional
-        ``u``, flat ``[T·K·V]`` or ``[T, K, V]`` (with ``distance`` only).
+        ``u`` in the policy's coordinates, ``p`` entries (``[T·K·V]`` or ``[T, K, V]`` for a
+        tabular policy, ``[F·V]`` or ``[F, V]`` for a shared one; with ``distance`` only).
     distance : float, optional
         ``‖θ − θ_old‖ >= 0``.
     steps : int, optional
@@ -45,12 +49,12 @@ def stale_copy(mdp: LatticeMDP, policy: LatticePolicy, *, direction: torch.Tenso
     Returns
     -------
     LatticePolicy
-        The moved copy; ``policy`` is unchanged.
+        The moved copy, of ``policy``'s kind; ``policy`` is unchanged.
     """
     check_lattice_policy(mdp, policy)
     if (distance is None) == (steps is None):
         raise ValueError("distance, steps: give exactly one of them")
-    theta = policy.logits.detach().reshape(-1)
+    theta = policy.parameter_vector()
     if distance is not None:
         distance = check_number("distance", distance)
         u = gradient(mdp, policy) if direction is None else torch.as_tensor(
@@ -61,16 +65,15 @@ def stale_copy(mdp: LatticeMDP, policy: LatticePolicy, *, direction: torch.Tenso
         if distance > 0 and not norm > 0:
             raise ValueError("direction: has zero norm")
         step = u / norm * distance if distance > 0 else torch.zeros_like(theta)
-        return LatticePolicy(mdp, logits=(theta - step).view(mdp.shape))
+        return policy.with_parameters(theta - step, mdp=mdp)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps: expected an int >= 0, got {steps!r}")
     if lr is None:
         raise ValueError("lr: a positive learning rate is required with steps")
     lr = check_number("lr", lr, strict=True)
-    old = LatticePolicy(mdp, logits=policy.logits.detach())
+    old = policy.with_parameters(theta, mdp=mdp)
     for _ in range(steps):
-        g = gradient(mdp, old)
-        old = LatticePolicy(mdp, logits=(old.logits.detach().reshape(-1) - lr * g).view(mdp.shape))
+        old = old.with_parameters(old.parameter_vector() - lr * gradient(mdp, old))
     return old
 
 
@@ -83,7 +86,8 @@ def inference_copy(policy: LatticePolicy, *, rounding: str | int | None = None,
     Parameters
     ----------
     policy : LatticePolicy
-        The policy whose logits are copied.
+        The policy whose logits are copied (a shared policy's expanded ``[T, K, V]`` table: the
+        engine's numerics act per node, so ``μ`` is tabular).
     rounding : {None, "bf16", "fp16", "fp8_e4m3"} or int
         See :func:`tokenmdp.exact.round_logits`.
     noise_std : float, default 0

@@ -15,8 +15,9 @@ here:
   sum) or ``W_i = w_0 / |y_i|`` (sequence-mean of token means; and the token mean when
   ``G = 1``).
 
-:func:`exact_support` says whether an estimator is token-local in this sense (a whitelist of the
-surrogate, correction and KL parts whose terms are per token) and why not otherwise.
+:func:`~tokenmdp.exact.lattice.structure.exact_support` says whether an estimator has a form the
+lattice computes exactly (a whitelist of the surrogate, correction and KL parts) and why not
+otherwise; :func:`weight_form` also recognises the token mean ``W_i = w_0 / Σ_j |y_j|``.
 """
 
 from __future__ import annotations
@@ -25,114 +26,11 @@ import torch
 
 from tokenmdp.batch import TokenBatch
 from tokenmdp.estimators import Estimator, loss, prepare
-from tokenmdp.estimators.advantages.group import Advantage
-from tokenmdp.estimators.corrections.factor import (
-    ImportanceSampling,
-    Level,
-    MaskedIS,
-    NoCorrection,
-    TruncatedIS,
-)
-from tokenmdp.estimators.corrections.rejection import RejectionSampling
-from tokenmdp.estimators.surrogates.clipped import CISPO, MiniRL, PPOClip
-from tokenmdp.estimators.surrogates.soft import SAPO, EntropyBonus
-from tokenmdp.estimators.surrogates.token import Reinforce, TokenRatio
-from tokenmdp.estimators.surrogates.trust_region_masks import DPPO
 
-__all__ = ["LOCAL_SURROGATES", "exact_support", "length_weights", "token_coefficients"]
+__all__ = ["length_weights", "token_coefficients", "token_table", "weight_form"]
 
-LOCAL_SURROGATES = (Reinforce, TokenRatio, PPOClip, CISPO, MiniRL, SAPO, DPPO)
-"""Surrogates whose term at a token reads only that token's log-probs and advantage."""
-_LOCAL_CORRECTIONS = (NoCorrection, ImportanceSampling, TruncatedIS, MaskedIS, RejectionSampling)
 #: Relative tolerance when recognising the form of the probe weights.
 WEIGHT_TOL = 1e-12
-
-
-def _local_surrogate(surrogate) -> bool:
-    if isinstance(surrogate, EntropyBonus):
-        return isinstance(surrogate.base, LOCAL_SURROGATES)
-    return isinstance(surrogate, LOCAL_SURROGATES)
-
-
-def exact_support(estimator: Estimator, group_size: int) -> tuple[bool, str]:
-    """Whether the lattice computes ``estimator``'s moments exactly, and the reason if not.
-
-    Exact: a token-local surrogate (:data:`LOCAL_SURROGATES`, or an entropy bonus on one), no
-    correction or a token-level IS / truncated IS / masked IS / rejection mask (``reduce=
-    'token'``; rejects kept in the normalizer),
-    no KL or a KL penalty in the loss, an advantage part that reads only the group's rewards
-    (the default ``from_batch`` and ``per_sequence``, not token-level), and an aggregation whose
-    weight is constant or ``w_0 / |y_i|`` (:func:`length_weights`). Not exact: sequence-level
-    ratios or corrections (GSPO's geometric mean, sequence IS, per-decision IS, sequence masks),
-    self-normalized weights (their mean over the step couples the sequences), a KL penalty in
-    the reward (the reward is then no longer few-valued), advantages that read lengths or
-    tokens, rejects leaving the normalizer, and the token mean's normalizer
-    ``Σ_j |y_j|`` coupling ``G >= 2`` responses.
-
-    Parameters
-    ----------
-    estimator : Estimator
-        The estimator.
-    group_size : int
-        ``G``.
-
-    Returns
-    -------
-    exact : bool
-        True when :func:`~tokenmdp.exact.lattice.moments` can be exact.
-    reason : str
-        Empty when exact, else what prevents it (``"undefined at G = 1: ..."`` when the
-        estimator's advantage has no value for a group of that size, as leave-one-out and a
-        group's standard deviation at ``G = 1``).
-    """
-    if not isinstance(estimator, Estimator):
-        raise TypeError(f"estimator: expected an Estimator, got {type(estimator).__name__}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
-    undefined = _undefined_at(estimator, group_size)
-    if undefined:
-        return False, undefined
-    if not _local_surrogate(estimator.surrogate):
-        return False, (f"surrogate {estimator.surrogate.describe()} is not token-local (a "
-                       "sequence-level ratio, mask or clip couples the tokens of a response)")
-    corr = estimator.correction
-    if getattr(corr, "level", Level.TOKEN) is not Level.TOKEN:
-        return False, f"correction {corr.describe()} is not token-level"
-    if not isinstance(corr, _LOCAL_CORRECTIONS):
-        return False, (f"correction {corr.describe()} is not a token-local factor (those are "
-                       "IS, truncated IS, masked IS and token rejection masks; a self-normalized "
-                       "weight's step mean couples the sequences)")
-    if isinstance(corr, MaskedIS | RejectionSampling) and not corr.masked_in_normalizer:
-        return False, (f"correction {corr.describe()}: its rejects leave the normalizer (the "
-                       "counts become random)")
-    part = estimator.advantage
-    overridden = [m for m in ("from_batch", "per_sequence")
-                  if getattr(type(part), m, None) is not getattr(Advantage, m, None)]
-    if getattr(part, "token_level", False) or getattr(part, "couples_sequences", False) or \
-            overridden:
-        return False, (f"advantage {part.describe()} reads more of the batch than the group's "
-                       "rewards")
-    if estimator.kl is not None and estimator.kl.in_reward:
-        return False, "a KL penalty in the reward makes the reward a sum over tokens"
-    if length_weights(estimator, group_size) is None:
-        return False, (f"aggregation {estimator.aggregation.value} with G = {group_size}: the "
-                       "weight depends on the other responses' lengths")
-    return True, ""
-
-
-def _undefined_at(estimator: Estimator, group_size: int) -> str:
-    """Why the estimator's advantage is undefined for one group of ``group_size`` (its own
-    ``ValueError``, e.g. leave-one-out or a group std at ``G = 1``), or ``""``; asked of the part
-    itself on a probe group of equal rewards."""
-    part = estimator.advantage
-    if getattr(part, "token_level", False):
-        return ""
-    reward_S = torch.zeros(group_size, dtype=torch.float64)
-    try:
-        part(reward_S, torch.zeros(group_size, dtype=torch.long))
-    except ValueError as err:
-        return f"undefined at G = {group_size}: advantage {part.describe()}: {err}"
-    return ""
 
 
 def _probe_group(lengths: list[int], fields: tuple[str, ...]) -> TokenBatch:
@@ -147,9 +45,8 @@ def length_weights(estimator: Estimator, group_size: int, *, max_len: int = 2
                    ) -> tuple[float, bool] | None:
     """The aggregation's weight ``W_i`` as ``(w_0, per_length)``, from :func:`prepare`.
 
-    ``per_length`` False: ``W_i = w_0`` for every response; True: ``W_i = w_0 / |y_i|``. The
-    form is recognised on probe groups of lengths ``1`` and ``1, 2, 1, 2, ...`` (and ``2``
-    when ``G = 1``); None when neither form fits (the token mean at ``G >= 2``).
+    ``per_length`` False: ``W_i = w_0`` for every response; True: ``W_i = w_0 / |y_i|``; None
+    for any other form (the token mean at ``G >= 2``, whose form :func:`weight_form` names).
 
     Parameters
     ----------
@@ -164,6 +61,35 @@ def length_weights(estimator: Estimator, group_size: int, *, max_len: int = 2
     -------
     tuple of (float, bool) or None
         ``(w_0, per_length)``, or None.
+    """
+    found = weight_form(estimator, group_size, max_len=max_len)
+    if found is None or found[1] == "total":
+        return None
+    return found[0], found[1] == "length"
+
+
+def weight_form(estimator: Estimator, group_size: int, *, max_len: int = 2
+                ) -> tuple[float, str] | None:
+    """The aggregation's weight ``W_i`` of a response, as ``(w_0, form)``, from :func:`prepare`.
+
+    ``form`` is ``"constant"`` (``W_i = w_0``), ``"length"`` (``W_i = w_0 / |y_i|``) or
+    ``"total"`` (``W_i = w_0 / Σ_j |y_j|``, the token mean over the group). The form is
+    recognised on probe groups of lengths ``1`` and ``1, 2, 1, 2, ...`` (and ``2`` when
+    ``G = 1``, where the token mean is the ``"length"`` form); None when none fits.
+
+    Parameters
+    ----------
+    estimator : Estimator
+        The estimator (its aggregation and correction's normalizer rule).
+    group_size : int
+        ``G``.
+    max_len : int, default 2
+        ``L_max`` passed to ``prepare`` (the lattice's ``T``; the constant normalizer reads it).
+
+    Returns
+    -------
+    tuple of (float, str) or None
+        ``(w_0, form)``, or None.
     """
     G = group_size
     fields = tuple(f for f in ("behavior_logprob", "old_logprob", "ref_logprob")
@@ -185,10 +111,64 @@ def length_weights(estimator: Estimator, group_size: int, *, max_len: int = 2
     if not (w1 - w0).abs().max() <= WEIGHT_TOL * abs(w0):
         return None
     if (wm - w0).abs().max() <= WEIGHT_TOL * abs(w0):
-        return w0, False
+        return w0, "constant"
     if (wm * n - w0).abs().max() <= WEIGHT_TOL * abs(w0):
-        return w0, True
+        return w0, "length"
+    total = w0 * G        # W_i = w_0' / Σ_j |y_j| with w_0' = w_0 · G (all lengths 1)
+    if G > 1 and (wm * n.sum() - total).abs().max() <= WEIGHT_TOL * abs(total):
+        return total, "total"
     return None
+
+
+def _probe_batch(shape: tuple[int, int, int], advantage: float,
+                 fields: dict[str, torch.Tensor]) -> TokenBatch:
+    """One probe row per position ``t``: its ``K·V`` entries ``(z, a)`` as the response (after a
+    one-token prompt), loss weight 1, advantage ``A``, the fields' log-probs at every entry."""
+    T, K, V = shape
+    R, W = T, K * V
+    cols = torch.arange(W + 1)
+    tokens = torch.cat([torch.zeros(R, 1, dtype=torch.long),
+                        torch.arange(V).repeat(K).expand(R, W)], dim=1)
+    mask = (cols >= 1).expand(R, W + 1)
+    maskf = mask.to(torch.float64)
+    return TokenBatch(tokens=tokens, sequence_id=torch.arange(R)[:, None].expand(R, W + 1),
+                      position=cols.expand(R, W + 1), loss_mask=mask,
+                      advantage=maskf * float(advantage), loss_weight=maskf,
+                      reward=torch.zeros(R, dtype=torch.float64),
+                      group=torch.arange(R), length=torch.full((R,), W),
+                      prompt_index=torch.zeros(R, dtype=torch.long),
+                      **{k: _per_token(v) for k, v in fields.items()})
+
+
+def _per_token(table: torch.Tensor) -> torch.Tensor:
+    T = table.shape[0]
+    return torch.cat([table.new_zeros(T, 1), table.reshape(T, -1)], dim=1)
+
+
+def token_table(quantity, shape: tuple[int, int, int], fields: dict[str, torch.Tensor],
+                *, advantage: float = 0.0) -> torch.Tensor:
+    """A per-token quantity of the library at every lattice entry ``(t, z, a)`` at once.
+
+    Parameters
+    ----------
+    quantity : callable
+        ``quantity(batch) -> Tensor [R, C]`` on a probe batch whose rows are the positions and
+        whose response tokens are the ``K·V`` entries ``(z, a)`` (for example a correction's
+        ``keep_RC``).
+    shape : tuple of int
+        ``(T, K, V)``.
+    fields : dict of str to Tensor ``[T, K, V]``
+        The log-prob fields of the probe (``old_logprob``, ``behavior_logprob``, ...).
+    advantage : float, default 0
+        The probe's advantage.
+
+    Returns
+    -------
+    Tensor ``[T, K, V]``
+        The quantity on each entry.
+    """
+    batch = _probe_batch(shape, advantage, fields)
+    return quantity(batch)[:, 1:].reshape(shape)
 
 
 def token_coefficients(estimator: Estimator, advantage: float, logprob: torch.Tensor,
@@ -198,7 +178,7 @@ def token_coefficients(estimator: Estimator, advantage: float, logprob: torch.Te
     Parameters
     ----------
     estimator : Estimator
-        A token-local estimator (:func:`exact_support`).
+        A token-local estimator (:func:`~tokenmdp.exact.lattice.exact_support`).
     advantage : float
         The sequence's advantage ``A``.
     logprob : Tensor ``[T, K, V]``
@@ -211,26 +191,10 @@ def token_coefficients(estimator: Estimator, advantage: float, logprob: torch.Te
     Tensor ``[T, K, V]``
         The coefficient of the score ``∇ log π(a|t,z)`` of a token with loss weight 1.
     """
-    T, K, V = logprob.shape
-    R, W = T, K * V                      # one probe row per position: its K·V (z, a) entries
-    cols = torch.arange(W + 1)
-    tokens = torch.cat([torch.zeros(R, 1, dtype=torch.long),
-                        torch.arange(V).repeat(K).expand(R, W)], dim=1)
-    mask = (cols >= 1).expand(R, W + 1)
-
-    def per_token(table):
-        return torch.cat([table.new_zeros(R, 1), table.reshape(R, W)], dim=1)
-
-    maskf = mask.to(torch.float64)
-    batch = TokenBatch(tokens=tokens, sequence_id=torch.arange(R)[:, None].expand(R, W + 1),
-                       position=cols.expand(R, W + 1), loss_mask=mask,
-                       advantage=maskf * float(advantage), loss_weight=maskf,
-                       reward=torch.zeros(R, dtype=torch.float64),
-                       group=torch.arange(R), length=torch.full((R,), W),
-                       prompt_index=torch.zeros(R, dtype=torch.long),
-                       **{k: per_token(v) for k, v in fields.items()})
-    lp = per_token(logprob.detach()).requires_grad_(True)
+    shape = tuple(logprob.shape)
+    batch = _probe_batch(shape, advantage, fields)
+    lp = _per_token(logprob.detach()).requires_grad_(True)
     with torch.enable_grad():
         value, _ = loss(lp, batch, estimator, metrics=False)
         (grad,) = torch.autograd.grad(value, lp)
-    return -grad[:, 1:].reshape(T, K, V)
+    return -grad[:, 1:].reshape(shape)

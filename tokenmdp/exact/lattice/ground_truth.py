@@ -4,8 +4,9 @@
   the probability that the response is still running at ``(t, z)`` (the visitation ``d^π``);
 * backward: ``V_T(z) = R_trunc(z)``, ``Q_t(z, EOS) = R_eos(t, z)``,
   ``Q_t(z, a) = V_{t+1}(δ(z, a))``, ``V_t(z) = Σ_a π(a|t,z) Q_t(z, a)``;
-* ``J = V_0(start)`` and, for the softmax tabular policy, the policy-gradient theorem on the
-  lattice: ``∂J/∂logits[t, z, a] = α_t(z) π(a|t,z) (Q_t(z, a) − V_t(z))``.
+* ``J = V_0(start)`` and the policy-gradient theorem on the lattice:
+  ``∂J/∂logits[t, z, a] = α_t(z) π(a|t,z) (Q_t(z, a) − V_t(z))``, mapped to a shared policy's
+  parameter by the chain rule.
 
 Divergences between two policies ``p``, ``q`` follow the same lattice: ``KL(p‖q) = Σ_{t,z}
 α^p_t(z) KL(p(·|t,z) ‖ q(·|t,z))`` (the sequence log-ratio is the sum of the token ones), and
@@ -177,10 +178,15 @@ def values(mdp: LatticeMDP, policy: LatticePolicy) -> LatticeValues:
 
 
 def gradient(mdp: LatticeMDP, policy: LatticePolicy) -> torch.Tensor:
-    """The true ``∇J`` in the logits, flat ``[T·K·V]`` (the order of ``policy.logits``).
+    """The true ``∇J`` in the policy's parameter, flat (the order of
+    :meth:`~tokenmdp.exact.lattice.LatticePolicy.parameter_vector`).
 
-    ``∂J/∂logits[t, z, a] = α_t(z) π(a|t,z) A^π_t(z, a)`` (the policy-gradient theorem with the
-    softmax score ``e_a − π(·|t,z)``), from one forward and one backward pass.
+    In the logits, ``∂J/∂logits[t, z, a] = α_t(z) π(a|t,z) A^π_t(z, a)`` (the policy-gradient
+    theorem with the softmax score ``e_a − π(·|t,z)``), from one forward and one backward pass;
+    a tabular policy's gradient is that table, flat ``[T·K·V]``. A shared policy's
+    (:class:`~tokenmdp.exact.lattice.SharedLatticePolicy`) is that table under the chain rule,
+    ``∂J/∂W[f, v] = Σ_{t,z} features[t, z, f] ∂J/∂logits[t, z, v]``, flat ``[F·V]``
+    (:meth:`~tokenmdp.exact.lattice.LatticePolicy.project`).
 
     Parameters
     ----------
@@ -191,14 +197,14 @@ def gradient(mdp: LatticeMDP, policy: LatticePolicy) -> torch.Tensor:
 
     Returns
     -------
-    Tensor ``[T·K·V]``
+    Tensor ``[p]``
         Float64, no autograd graph.
     """
     with torch.no_grad():
         probs = _logprobs(mdp, policy).exp()
         alpha = _forward(mdp, probs)
         tables = _values(mdp, probs)
-        return (alpha[:-1, :, None] * probs * tables.A).reshape(-1)
+        return policy.project(alpha[:-1, :, None] * probs * tables.A)
 
 
 def entropy(mdp: LatticeMDP, policy: LatticePolicy, *, reduction: str = "sum") -> torch.Tensor:

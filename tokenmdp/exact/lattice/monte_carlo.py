@@ -181,7 +181,8 @@ def step_gradients(mdp: LatticeMDP, batch: TokenBatch, policy_logprob: torch.Ten
 def monte_carlo_moments(mdp: LatticeMDP, logp: dict[str, torch.Tensor], estimator: Estimator,
                         group_size: int, true_grad: torch.Tensor, *,
                         num_samples: int | None = None,
-                        generator: torch.Generator | None = None) -> Moments:
+                        generator: torch.Generator | None = None,
+                        features: torch.Tensor | None = None) -> Moments:
     """Sample moments of ``ĝ`` over ``num_samples`` steps of one group each, with standard errors.
 
     Parameters
@@ -194,12 +195,15 @@ def monte_carlo_moments(mdp: LatticeMDP, logp: dict[str, torch.Tensor], estimato
         The estimator.
     group_size : int
         ``G``.
-    true_grad : Tensor ``[T·K·V]``
-        ``∇J``.
+    true_grad : Tensor ``[p]``
+        ``∇J`` in the policy's parameter (``[T·K·V]`` for the tabular policy).
     num_samples : int, optional
         Steps (default ``DEFAULT_NUM_SAMPLES`` = 2048; at least ``2 · NUM_BLOCKS`` = 32).
     generator : torch.Generator, optional
         Default: seeded with ``DEFAULT_SEED`` (0).
+    features : Tensor ``[T, K, F]``, optional
+        A shared policy's feature map: each step's gradient is mapped to its parameter
+        (``Dᵀ ĝ``).
 
     Returns
     -------
@@ -214,10 +218,10 @@ def monte_carlo_moments(mdp: LatticeMDP, logp: dict[str, torch.Tensor], estimato
     if not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
     T, K, V = mdp.shape
-    d = T * K * V
+    d = true_grad.numel()
     pi = logp["policy"].exp()
     G = group_size
-    per_call = max(1, min(TOKENS_PER_CALL // (G * (T + 1)), FLOATS_PER_CALL // d))
+    per_call = max(1, min(TOKENS_PER_CALL // (G * (T + 1)), FLOATS_PER_CALL // (T * K * V)))
     total = torch.zeros(d, dtype=torch.float64)
     total_sq = torch.zeros(d, dtype=torch.float64)
     blocks = torch.zeros(NUM_BLOCKS, d, dtype=torch.float64)
@@ -230,6 +234,8 @@ def monte_carlo_moments(mdp: LatticeMDP, logp: dict[str, torch.Tensor], estimato
         tokens, states, lengths, rewards = sample(mdp, logp["behavior_logprob"], n * G, generator)
         batch, lp = group_batch(mdp, tokens, states, lengths, rewards, G, logp)
         g = step_gradients(mdp, batch, lp, states, estimator, pi)
+        if features is not None:
+            g = torch.einsum("ntkv,tkf->nfv", g.view(-1, T, K, V), features).reshape(n, d)
         total += g.sum(0)
         total_sq += (g * g).sum(0)
         sq = (g * g).sum(1)

@@ -1,11 +1,15 @@
-"""Policies tabular over ``(t, z)``: one free logit vector per lattice node, float64.
+"""Policies on the lattice: one softmax per node ``(t, z)``, float64.
 
-:class:`LatticePolicy` holds logits ``[T, K, V]``; ``π(a | t, z) = softmax(logits[t, z])[a]``.
+:class:`LatticePolicy` holds free logits ``[T, K, V]``; ``π(a | t, z) = softmax(logits[t, z])[a]``.
 The score of position ``t`` lives in the block ``logits[t]``, so the scores of different
 positions are on disjoint parameters (what makes the second moments per-position sums in
-:mod:`~tokenmdp.exact.lattice.moments`). A time-homogeneous policy (one table over ``z`` shared
-by all positions) is not offered: its scores overlap across positions and its second moments
-would need vector-valued messages.
+:mod:`~tokenmdp.exact.lattice.moments`). A time-homogeneous or feature-linear policy, whose
+positions share parameters as a language model's do, is
+:class:`~tokenmdp.exact.lattice.shared.SharedLatticePolicy`: a subclass whose ``logits`` is a
+linear image of its parameter. Every lattice policy states its own coordinates:
+:meth:`LatticePolicy.project` maps a vector over the ``T·K·V`` logits to them (the identity here),
+:meth:`LatticePolicy.parameter_vector` and :meth:`LatticePolicy.with_parameters` read and
+rebuild it.
 
 Stale and engine-like copies are in :mod:`~tokenmdp.exact.lattice.behavior`.
 :func:`as_prefix_policy` views a lattice policy as a
@@ -70,6 +74,121 @@ class LatticePolicy(nn.Module):
         """
         return torch.log_softmax(self.logits, dim=-1)
 
+    @property
+    def features(self) -> torch.Tensor | None:
+        """The feature map ``[T, K, F]`` of a shared policy; ``None`` here (tabular)."""
+        return None
+
+    @property
+    def num_parameters(self) -> int:
+        """``p``, the length of :meth:`parameter_vector` (``T·K·V`` here)."""
+        return self.logits.numel()
+
+    def parameter_vector(self) -> torch.Tensor:
+        """The policy's parameter as one detached flat float64 copy ``[p]``.
+
+        Returns
+        -------
+        Tensor ``[p]``
+            The logits, flat in ``(t, z, a)`` order.
+        """
+        return self.logits.detach().reshape(-1).clone()
+
+    def with_parameters(self, vector: torch.Tensor, *, mdp: LatticeMDP | None = None
+                        ) -> LatticePolicy:
+        """A new policy of the same kind with parameter ``vector`` (the inverse of
+        :meth:`parameter_vector`).
+
+        Parameters
+        ----------
+        vector : Tensor ``[p]``
+            The flat parameter (copied).
+        mdp : LatticeMDP, optional
+            The lattice of the copy (default this policy's; same shape).
+
+        Returns
+        -------
+        LatticePolicy
+            The new policy, ``requires_grad`` on.
+        """
+        mdp = self.mdp if mdp is None else mdp
+        vector = torch.as_tensor(vector, dtype=torch.float64)
+        if vector.numel() != self.num_parameters:
+            raise ValueError(f"vector: expected {self.num_parameters} entries, got "
+                             f"{vector.numel()}")
+        return LatticePolicy(mdp, logits=vector.reshape(mdp.shape))
+
+    def project(self, table: torch.Tensor) -> torch.Tensor:
+        """``Dᵀ table``: a vector over the ``T·K·V`` logits in the policy's coordinates.
+
+        ``D`` is the Jacobian of the logits in the parameter; a gradient in the logits maps to
+        the parameter's by the chain rule. Here ``D`` is the identity.
+
+        Parameters
+        ----------
+        table : Tensor ``[T·K·V]`` or ``[T, K, V]``
+            The vector in the logits' coordinates.
+
+        Returns
+        -------
+        Tensor ``[p]``
+            Float64.
+        """
+        return _logit_table(self.mdp, table, "table").reshape(-1)
+
+    def project_matrix(self, matrix: torch.Tensor) -> torch.Tensor:
+        """``Dᵀ matrix D``: a ``[T·K·V, T·K·V]`` matrix (a covariance) in the policy's
+        coordinates.
+
+        Parameters
+        ----------
+        matrix : Tensor ``[T·K·V, T·K·V]``
+            The matrix in the logits' coordinates.
+
+        Returns
+        -------
+        Tensor ``[p, p]``
+            Float64.
+        """
+        return _logit_matrix(self.mdp, matrix)
+
+    def node_logits(self, t: int, z: torch.Tensor) -> torch.Tensor:
+        """``logits[t, z]`` ``[N, V]`` at position ``t`` and states ``z`` (differentiable).
+
+        Parameters
+        ----------
+        t : int
+            The position.
+        z : LongTensor ``[N]``
+            Automaton states.
+
+        Returns
+        -------
+        Tensor ``[N, V]``
+            Float64 logits.
+        """
+        return self.logits[t, z]
+
+
+def _logit_table(mdp: LatticeMDP, table, name: str) -> torch.Tensor:
+    """``table`` as a float64 ``[T, K, V]`` tensor, from ``[T·K·V]`` or ``[T, K, V]``."""
+    table = torch.as_tensor(table, dtype=torch.float64)
+    T, K, V = mdp.shape
+    if tuple(table.shape) not in ((T * K * V,), (T, K, V)):
+        raise ValueError(f"{name}: expected shape ({T * K * V},) or {mdp.shape} (T, K, V), got "
+                         f"{tuple(table.shape)}")
+    return table.reshape(T, K, V)
+
+
+def _logit_matrix(mdp: LatticeMDP, matrix) -> torch.Tensor:
+    """``matrix`` as a float64 ``[T·K·V, T·K·V]`` tensor."""
+    matrix = torch.as_tensor(matrix, dtype=torch.float64)
+    d = mdp.max_len * mdp.num_states * mdp.vocab_size
+    if tuple(matrix.shape) != (d, d):
+        raise ValueError(f"matrix: expected shape ({d}, {d}) (T·K·V squared), got "
+                         f"{tuple(matrix.shape)}")
+    return matrix
+
 
 def check_lattice_policy(mdp: LatticeMDP, policy, *, name: str = "policy") -> None:
     """Raise unless ``policy`` is a :class:`LatticePolicy` of a lattice of ``mdp``'s shape.
@@ -92,23 +211,23 @@ def check_lattice_policy(mdp: LatticeMDP, policy, *, name: str = "policy") -> No
     """
     if not isinstance(policy, LatticePolicy):
         raise TypeError(f"{name}: expected a LatticePolicy, got {type(policy).__name__}")
-    if tuple(policy.logits.shape) != mdp.shape:
-        raise ValueError(f"{name}: built for a lattice of shape {tuple(policy.logits.shape)}, "
+    if policy.mdp.shape != mdp.shape:
+        raise ValueError(f"{name}: built for a lattice of shape {policy.mdp.shape}, "
                          f"used with {mdp!r}")
 
 
 class _LatticePrefixPolicy(PrefixPolicy):
-    """A lattice policy seen by the enumeration engine: ``logits(prefix) = table[k, z(prefix)]``,
-    the table shared with the lattice policy (so gradients are in its coordinates)."""
+    """A lattice policy seen by the enumeration engine: ``logits(prefix) = logits[k, z(prefix)]``,
+    the lattice policy a submodule (so its parameters, and gradients, are the same)."""
 
     def __init__(self, token_mdp: TokenMDP, policy: LatticePolicy) -> None:
         super().__init__(token_mdp)
-        self.logits_table = policy.logits
+        self.lattice = policy
         self.register_buffer("delta", policy.mdp.transitions.clone(), persistent=False)
         self.start = policy.mdp.automaton.start
 
     def logits(self, prompt_index: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """``table[k, z]`` with ``z`` the automaton state after each prefix.
+        """``logits[k, z]`` with ``z`` the automaton state after each prefix.
 
         Parameters
         ----------
@@ -125,7 +244,7 @@ class _LatticePrefixPolicy(PrefixPolicy):
         z = torch.full((prefix.shape[0],), self.start, dtype=torch.long)
         for j in range(prefix.shape[1]):
             z = self.delta[z, prefix[:, j]]
-        return self.logits_table[prefix.shape[1], z]
+        return self.lattice.node_logits(prefix.shape[1], z)
 
 
 def as_prefix_policy(token_mdp: TokenMDP, policy: LatticePolicy) -> PrefixPolicy:
@@ -136,12 +255,13 @@ def as_prefix_policy(token_mdp: TokenMDP, policy: LatticePolicy) -> PrefixPolicy
     token_mdp : TokenMDP
         :func:`~tokenmdp.exact.lattice.to_token_mdp` of the policy's lattice.
     policy : LatticePolicy
-        The lattice policy; its ``logits`` parameter is shared, not copied.
+        The lattice policy (tabular or shared); its parameter is shared, not copied.
 
     Returns
     -------
     PrefixPolicy
-        One parameter, the ``[T, K, V]`` table: flat gradients agree coordinate by coordinate.
+        The lattice policy's parameters (the ``[T, K, V]`` table, or a shared policy's
+        ``weight``): flat gradients agree coordinate by coordinate.
     """
     if not isinstance(policy, LatticePolicy):
         raise TypeError(f"policy: expected a LatticePolicy, got {type(policy).__name__}")
