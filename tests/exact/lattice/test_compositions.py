@@ -39,7 +39,7 @@ COMPOSITIONS = {
         statistic="k3", reduce="mean", high=0.05, masked_in_normalizer=True)), 2, False,
         "not token-level"),
     "snis_token": (GRPO.replace(correction=E.SelfNormalizedIS()), 2, False,
-                   "exact only under the token mean"),
+                   "constant-weight rules only"),
     "snis_token_mean": (TOKEN_MEAN.replace(correction=E.SelfNormalizedIS()), 3, True, ""),
     "snis_token_mean_capped": (TOKEN_MEAN.replace(correction=E.SelfNormalizedIS(cap=1.1)), 2,
                                True, ""),

@@ -24,7 +24,7 @@ TOKEN_MEAN = E.Estimator(surrogate=E.TokenRatio(), advantage=E.GroupMean(),
                          aggregation=E.Aggregation.TOKEN_MEAN)
 NEW = {name: E.get(name) for name in (
     "dapo", "ppo", "cispo_tis", "dapo_mis", "ppo_verl", "ppo_entropy", "grpo_batch_std",
-    "grpo_rs_token", "sequence_is", "per_decision_is")}
+    "grpo_rs_token", "sequence_is", "per_decision_is", "token_snis")}
 NEW["token_mean_snis"] = TOKEN_MEAN.replace(correction=E.SelfNormalizedIS(cap=1.5))
 NEW["token_mean_rejects_out"] = TOKEN_MEAN.replace(correction=E.RejectionSampling(
     statistic="k1", high=1.25, low=0.8, masked_in_normalizer=False))

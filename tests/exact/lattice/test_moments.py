@@ -146,11 +146,11 @@ def test_exact_support_reasons():
     assert not ok and why.startswith("undefined at G = 1")
     assert L.exact_support(estimators.get("dr_grpo"), 1) == (True, "")   # group mean: defined
     for name, words in [("gspo", "not token-local"), ("grpo_rs_seq", "not token-level"),
-                        ("token_snis", "self-normalized IS with aggregation"),
+                        ("sequence_snis", "keeps the product a product"),
                         ("ctpo", "not token-local"), ("reinforce_pp_kl", "reads more")]:
         ok, why = L.exact_support(estimators.get(name), 4)
         assert not ok and words in why
-    for name in ("dapo", "sequence_is", "per_decision_is", "grpo_rs_token"):
+    for name in ("dapo", "sequence_is", "per_decision_is", "grpo_rs_token", "token_snis"):
         assert L.exact_support(estimators.get(name), 4) == (True, "")
     assert L.length_weights(estimators.get("minirl_len_norm"), 4, max_len=10) == (0.25, True)
     assert L.length_weights(estimators.get("dr_grpo"), 4, max_len=10) == (1 / 40, False)

@@ -15,7 +15,7 @@ from .conftest import policies, twin
 
 TOL = 1e-10
 MAX_Z = 4.5
-NAMES = ["dapo", "grpo", "minirl", "sequence_is", "grpo_rs_token", "ppo_verl"]
+NAMES = ["dapo", "grpo", "minirl", "sequence_is", "grpo_rs_token", "ppo_verl", "token_snis"]
 
 
 def _world(features):

@@ -22,7 +22,11 @@ are Laplace sums over the nodes of :func:`~tokenmdp.exact.lattice.laplace_rule`.
 Π_{l≠i,j} q_{c_l}]``,
 
 the products taken as powers of the class counts (no division, so an underflowing ``q`` is
-harmless). The scalar coefficients are summed over the class counts first; one sweep then
+harmless). The ``ratio`` normalizer (token-level self-normalized IS under a constant weight,
+``N/W`` with ``N = Σ_j |y_j|``) puts ``N`` in the numerator: every member quantity becomes a
+polynomial in ``r`` of ``E[e^{r|y|} ...]`` to degree 2 (terminal weights ``|y|^a / a!``), the
+products are polynomial products, and ``E[N^k ...] = k! [r^k]``.
+The scalar coefficients are summed over the class counts first; one sweep then
 contracts the vectors and accumulates each node's Gram matrix.
 """
 
@@ -205,27 +209,27 @@ def form_moments(mdp: LatticeMDP, logp: dict, form: LatticeForm, estimator, G: i
     f1 = f2 = ones
     if form.normalizer == "length":
         f1, f2 = lengths.reciprocal(), lengths.reciprocal() ** 2
-    elif form.normalizer in ("kept", "total"):
+    elif form.normalizer in ("kept", "total", "ratio"):
         nu = _counted(form, logp, shape)
         if form.counted == "kept":       # a rejected token has loss weight 0: no term at all
             basis = basis * nu
-        group = G if form.normalizer == "total" else 1
+        group = 1 if form.normalizer == "kept" else G
         low = 1.0 if form.counted == "kept" else group * float(nu.min())
         rule = laplace_rule(low, group * T * float(nu.max()))
         s, w1, w2 = rule.nodes, rule.weights[1], rule.weights[2]
     w0 = form.w0
     outer = torch.zeros(T * K * V, T * K * V, dtype=torch.float64) if keep_cov else None
 
-    def matrix(coef_bbc):              # Σ_{n,b,b',c} coef[n,b,b',c] E[sym(X_b X_b'ᵀ) ...]
+    def matrix(coef_bbc, f2):          # Σ_{n,b,b',c} coef[n,b,b',c] E[sym(X_b X_b'ᵀ) ...]
         total = torch.zeros_like(outer)
-        for b, b2, c in itertools.product(range(nb), range(nb), range(m)):
+        for b, b2, c in itertools.product(range(nb), range(nb), range(coef_bbc.shape[-1])):
             if b2 >= b and coef_bbc[:, b, b2, c].abs().max() > 0:
                 k = coef_bbc[:, b, b2, c] + (coef_bbc[:, b2, b, c] if b2 != b else 0)
                 total += second_matrix(mdp, log_mu, pi, log_kappa, nu, s, k, powers, basis[b],
                                        basis[b2], f2, c)
         return total
 
-    if form.normalizer != "total":
+    if form.normalizer not in ("total", "ratio"):
         eye = torch.eye(Q, dtype=torch.float64).reshape(Q, nb, m)
         res = sweep(mdp, log_mu, pi, log_kappa, nu, s, powers, basis, f1, f2,
                     weights=w1[:, None, None, None] * eye[None])
@@ -260,39 +264,62 @@ def form_moments(mdp: LatticeMDP, logp: dict, form: LatticeForm, estimator, G: i
                 outer += prob * w0 ** 2 * torch.outer(mv, mv)
         mean = mbar.T @ coef
         if keep_cov:
-            outer += matrix(w2[:, None, None, None] * s_coef)
+            outer += matrix(w2[:, None, None, None] * s_coef, f2)
         return _exact_moments(mean, torch.tensor(second, dtype=torch.float64), outer, true_grad,
                               len(configs), 1.0, "lattice")
 
-    # the group normalizer: coefficients per node first, then one sweep
+    # the group normalizers: coefficients per node first, then one sweep. "ratio" carries
+    # the token count N = Σ_j |y_j| in the numerator: per member the polynomial in r of
+    # E[e^{rL} ...] to degree 2 (terminal weights |y|^a / a!), E[N^k ...] = k! [r^k].
     n = s.numel()
-    q = class_weights(mdp, log_mu, None, nu, s) / p_class.clamp(min=1e-300)   # [n, m]
-    log_q = torch.where(q > 0, q.clamp(min=1e-300).log(), torch.tensor(-math.inf))
-    coef1 = torch.zeros(n, nb, m, dtype=torch.float64)
-    coefS = torch.zeros(n, nb, nb, m, dtype=torch.float64)
-    coefP = torch.zeros(n, nb, m, nb, m, dtype=torch.float64)
+    A = 3 if form.normalizer == "ratio" else 1
+    d1, d2 = (1, 2) if A == 3 else (0, 0)
+    f1 = f2 = torch.stack([lengths ** a / math.factorial(a) for a in range(A)])
+    qp = (class_weights(mdp, log_mu, None, nu, s, f=f1).reshape(n, A, m).transpose(1, 2) /
+          p_class.clamp(min=1e-300)[None, :, None])                       # [n, m, A]
+    coef1 = torch.zeros(n, nb, A, m, dtype=torch.float64)
+    coefS = torch.zeros(n, nb, nb, A, m, dtype=torch.float64)
+    coefP = torch.zeros(n, nb, A, m, nb, A, m, dtype=torch.float64)
+
+    def times(x, y):                                    # polynomials [n, A], truncated
+        out = torch.zeros_like(x)
+        for i in range(A):
+            out[:, i:] += x[:, i:i + 1] * y[:, :A - i]
+        return out
 
     def others(counts, *drop):
-        e = torch.tensor(counts, dtype=torch.float64)
+        e = list(counts)
         for c in drop:
             e[c] -= 1
-        return torch.where(e > 0, e * log_q, torch.zeros_like(log_q)).sum(1).exp()  # [n]
+        out = torch.zeros(n, A, dtype=torch.float64)
+        out[:, 0] = 1.0
+        for c, k in enumerate(e):
+            for _ in range(k):
+                out = times(out, qp[:, c])
+        return out
 
     for counts, prob, per_class in configs:
         for c, a in per_class.items():
             lc = torch.tensor(lam(a), dtype=torch.float64)
             rest = others(counts, c) / p_class[c]
-            coef1[:, :, c] += prob * w0 * counts[c] * (w1 * rest)[:, None] * lc
-            coefS[:, :, :, c] += prob * w0 ** 2 * counts[c] * (w2 * rest)[:, None, None] * \
-                torch.outer(lc, lc)
+            for k in range(d1 + 1):
+                coef1[:, :, k, c] += prob * w0 * counts[c] * (w1 * rest[:, d1 - k])[:, None] * lc
+            for k in range(d2 + 1):
+                coefS[:, :, :, k, c] += math.factorial(d2) * prob * w0 ** 2 * counts[c] * (
+                    w2 * rest[:, d2 - k])[:, None, None] * torch.outer(lc, lc)
             for c2, a2 in per_class.items():
                 pairs = counts[c] * (counts[c2] - (c == c2))
                 if pairs == 0:
                     continue
                 l2 = torch.tensor(lam(a2), dtype=torch.float64)
                 rest2 = others(counts, c, c2) / (p_class[c] * p_class[c2])
-                coefP[:, :, c, :, c2] += prob * w0 ** 2 * pairs * (w2 * rest2)[:, None, None] * \
-                    torch.outer(lc, l2)
+                for k, k2 in itertools.product(range(d2 + 1), repeat=2):
+                    if k + k2 <= d2:
+                        coefP[:, :, k, c, :, k2, c2] += math.factorial(d2) * prob * w0 ** 2 * \
+                            pairs * (w2 * rest2[:, d2 - k - k2])[:, None, None] * \
+                            torch.outer(lc, l2)
+    Q = nb * A * m
+    coef1, coefS = coef1.reshape(n, nb, A * m), coefS.reshape(n, nb, nb, A * m)
     res = sweep(mdp, log_mu, pi, log_kappa, nu, s, powers, basis, f1, f2,
                 weights=coef1[:, None], gram=True, keep_vectors=keep_cov, features=features)
     mean = _project_rows(res.contracted[0].reshape(1, -1), features)[0]
@@ -302,6 +329,6 @@ def form_moments(mdp: LatticeMDP, logp: dict, form: LatticeForm, estimator, G: i
     if keep_cov:
         vec = res.vectors.reshape(n, Q, -1)
         outer = torch.einsum("nqd,nqr,nre->de", vec, coefP.reshape(n, Q, Q), vec) + \
-            matrix(coefS)
+            matrix(coefS, f2)
     return _exact_moments(mean, torch.tensor(second, dtype=torch.float64), outer, true_grad,
                           len(configs), 1.0, "lattice")

@@ -181,11 +181,9 @@ def gradient(mdp: LatticeMDP, policy: LatticePolicy) -> torch.Tensor:
     """The true ``∇J`` in the policy's parameter, flat (the order of
     :meth:`~tokenmdp.exact.lattice.LatticePolicy.parameter_vector`).
 
-    In the logits, ``∂J/∂logits[t, z, a] = α_t(z) π(a|t,z) A^π_t(z, a)`` (the policy-gradient
-    theorem with the softmax score ``e_a − π(·|t,z)``), from one forward and one backward pass;
-    a tabular policy's gradient is that table, flat ``[T·K·V]``. A shared policy's
-    (:class:`~tokenmdp.exact.lattice.SharedLatticePolicy`) is that table under the chain rule,
-    ``∂J/∂W[f, v] = Σ_{t,z} features[t, z, f] ∂J/∂logits[t, z, v]``, flat ``[F·V]``
+    ``∂J/∂logits[t, z, a] = α_t(z) π(a|t,z) A^π_t(z, a)`` (one forward and one backward pass):
+    the tabular gradient, flat ``[T·K·V]``; a shared policy's is its chain rule
+    ``Σ_{t,z} features[t, z, f] ∂J/∂logits[t, z, v]``, flat ``[F·V]``
     (:meth:`~tokenmdp.exact.lattice.LatticePolicy.project`).
 
     Parameters

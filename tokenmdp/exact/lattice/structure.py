@@ -16,9 +16,11 @@ with three parts, each recognised here (:class:`LatticeForm`):
   its second moment one under ``μ·κ²``.
 * **the normalizer** ``h_i`` — ``"constant"`` (``1``), ``"length"`` (``1/|y_i|``),
   ``"kept"`` (``1/K_i``, ``K_i`` the tokens of ``y_i`` a rejection mask kept, when its rejects
-  leave the normalizer) or ``"total"`` (``1 / Σ_j ν(y_j)``: the token mean over the group, with
+  leave the normalizer), ``"total"`` (``1 / Σ_j ν(y_j)``: the token mean over the group, with
   ``ν`` counting every token, the kept tokens, or summing token-level importance weights for
-  self-normalized IS). The last two are random and coupled: the Laplace identity
+  self-normalized IS) or ``"ratio"`` (``Σ_j |y_j| / Σ_j w(y_j)``: token-level self-normalized
+  IS under a constant weight, whose factor ``w_t / w̄`` divides by the step's mean weight).
+  The last three are random and coupled: the Laplace identity
   (:mod:`~tokenmdp.exact.lattice.laplace`) makes them exact.
 * **the advantage** — a function of the group's rewards only (few-valued, so the group is
   summarised by its reward-class counts).
@@ -26,8 +28,8 @@ with three parts, each recognised here (:class:`LatticeForm`):
 Not exact, with the reason :func:`exact_support` gives: GSPO's and GMPO's geometric means,
 sequence-level clips, masks and truncations (a ``min`` of a product is not a product),
 covariance selections (Clip-Cov, KL-Cov), a KL penalty in the reward, advantages reading
-lengths or tokens, self-normalized IS at the sequence level or with an aggregation other than
-the token mean, and more class-count configurations than ``max_configurations``.
+lengths or tokens, self-normalized IS at the sequence level or with the sequence-mean of token
+means, and more class-count configurations than ``max_configurations``.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ LOCAL_SURROGATES = (Reinforce, TokenRatio, PPOClip, CISPO, MiniRL, SAPO, DPPO)
 """Surrogates whose term at a token reads only that token's log-probs and advantage."""
 _LOCAL_CORRECTIONS = (NoCorrection, ImportanceSampling, TruncatedIS, MaskedIS, RejectionSampling)
 KINDS = ("local", "sequence", "per_decision")
-NORMALIZERS = ("constant", "length", "kept", "total")
+NORMALIZERS = ("constant", "length", "kept", "total", "ratio")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +76,7 @@ class LatticeForm:
         How a token's coefficient reads its response.
     w0 : float
         The aggregation's constant factor.
-    normalizer : {"constant", "length", "kept", "total"}
+    normalizer : {"constant", "length", "kept", "total", "ratio"}
         The random part ``h_i`` of a response's weight.
     counted : {"all", "kept", "weight"}
         What the normalizer counts per token: every token, the tokens a rejection mask kept,
@@ -219,9 +221,12 @@ def lattice_form(estimator: Estimator, group_size: int, *, max_len: int = 2
         if normalizer in ("length", "total"):
             counted = "kept"
             normalizer = "kept" if normalizer == "length" else "total"
-    if counted == "weight" and normalizer != "total":
+    if counted == "weight" and normalizer == "constant":
+        normalizer = "ratio"          # w0 · N / W: the token count over the weights' sum
+    elif counted == "weight" and normalizer != "total":
         return None, (f"self-normalized IS with aggregation {estimator.aggregation.value}: "
-                      "exact only under the token mean (its normalizer is then the weights' sum)")
+                      "exact under the token mean and the constant-weight rules only (1/|y_i| "
+                      "beside the weights' sum is not a sum of token terms)")
     if kind != "local" and normalizer == "kept":  # pragma: no cover - no correction allows it
         return None, "a rejection mask beside a product of ratios"
     return LatticeForm(kind=kind, w0=w0, normalizer=normalizer, counted=counted,
@@ -238,7 +243,8 @@ def exact_support(estimator: Estimator, group_size: int) -> tuple[bool, str]:
     advantage that reads only the group's rewards; an aggregation whose weight is constant,
     ``w_0/|y_i|`` or the token mean's ``w_0 / Σ_j |y_j|`` at every ``G`` (with rejects leaving
     the normalizer: the kept counts; with self-normalized IS under the token mean: the sum of
-    the weights). Sequence ratios are exact while no response reaches their ``e^20`` cap,
+    the weights; under a constant weight: the token count over the weights' sum). Sequence ratios
+    are exact while no response reaches their ``e^20`` cap,
     which :func:`~tokenmdp.exact.lattice.moments` checks on the policies. Not exact: see the
     module.
 

@@ -131,11 +131,17 @@ def forward(mdp: LatticeMDP, log_mu, log_kappa, nu, s, power: int) -> torch.Tens
 
 
 def _terminal(mdp: LatticeMDP, f: torch.Tensor):
+    """Terminal weights per (class, weight): ``f [T + 1]`` or a stack ``[A, T + 1]`` of length
+    weights gives ``A·m`` columns, column ``a·m + c`` being ``f_a(|y|) 1{class c}``."""
     values, eos_class, trunc_class = mdp.reward_classes
     m = values.numel()
-    eos = f[1:, None, None] * torch.nn.functional.one_hot(eos_class, m).to(torch.float64)
-    trunc = f[mdp.max_len] * torch.nn.functional.one_hot(trunc_class, m).to(torch.float64)
-    return eos, trunc                                       # [T, K, m], [K, m]
+    f = f[None] if f.dim() == 1 else f
+    A, T = f.shape[0], mdp.max_len
+    eos = f.T[1:, None, :, None] * torch.nn.functional.one_hot(eos_class, m).to(
+        torch.float64)[:, :, None]                            # [T, K, A, m]
+    trunc = f[:, T][None, :, None] * torch.nn.functional.one_hot(trunc_class, m).to(
+        torch.float64)[:, None]                               # [K, A, m]
+    return eos.reshape(T, -1, A * m), trunc.reshape(-1, A * m)
 
 
 def _continue(mdp, beta, eos_t):
@@ -186,19 +192,10 @@ def class_weights(mdp: LatticeMDP, log_mu, log_kappa, nu, s, power: int = 0,
 
 @dataclasses.dataclass
 class Sweep:
-    """What :func:`sweep` accumulated.
-
-    Attributes
-    ----------
-    contracted : Tensor ``[R, T, K, V]`` or None
-        ``Σ_{n,b,c} weights[n, r, b, c] M_{b,c}(s_n)``.
-    gram : Tensor ``[n, Q, Q]`` or None
-        ``⟨M_q(s_n), M_{q'}(s_n)⟩`` with ``q = b·m + c``.
-    squares : Tensor ``[n, nb, nb, m]``
-        ``E[Σ_t Φ_b Φ_{b'} ‖e_a − π‖² · tilt₂ · f₂ · 1{c}]`` (tabular policy).
-    vectors : Tensor ``[n, Q, T, K, V]`` or None
-        Every ``M_q(s_n)`` (small lattices, for the covariance).
-    """
+    """What :func:`sweep` accumulated: ``contracted`` ``[R, T, K, V]`` (``Σ_{n,b,c} weights[n,
+    r, b, c] M_{b,c}(s_n)``), ``gram`` ``[n, Q, Q]`` (``⟨M_q, M_{q'}⟩``, ``q = b·m + c``),
+    ``squares`` ``[n, nb, nb, m]`` (``E[Σ_t Φ_b Φ_{b'} ‖e_a − π‖² tilt₂ f₂ 1{c}]``, tabular) and
+    ``vectors`` ``[n, Q, T, K, V]`` (small lattices); each None when not asked for."""
 
     contracted: torch.Tensor | None
     gram: torch.Tensor | None
@@ -228,8 +225,9 @@ def sweep(mdp: LatticeMDP, log_mu, pi, log_kappa, nu, s, powers: Powers, basis, 
         The kind's powers of ``κ``.
     basis : Tensor ``[nb, T, K, V]``
         The coefficient tables ``Φ_b``.
-    f1, f2 : Tensor ``[T + 1]``
-        Terminal weights of the mean and of the square.
+    f1, f2 : Tensor ``[T + 1]`` or ``[A, T + 1]``
+        Terminal weights of the mean and of the square (a stack: one "class" per weight and
+        reward class, index ``a·m + c``).
     weights : Tensor ``[n, R, nb, m]``, optional
         Contract the vectors into ``R`` outputs as they are made.
     gram : bool, default False
@@ -247,7 +245,8 @@ def sweep(mdp: LatticeMDP, log_mu, pi, log_kappa, nu, s, powers: Powers, basis, 
         The accumulations.
     """
     T, K, V = mdp.shape
-    n, nb, m = s.numel(), basis.shape[0], mdp.reward_classes[0].numel()
+    n, nb = s.numel(), basis.shape[0]
+    m = mdp.reward_classes[0].numel() * (1 if f1.dim() == 1 else f1.shape[0])
     Q = nb * m
     lk = (lambda t: None) if log_kappa is None else (lambda t: log_kappa[t])
     nt = (lambda t: None) if nu is None else (lambda t: nu[t])
