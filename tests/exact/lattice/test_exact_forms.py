@@ -122,3 +122,16 @@ def test_token_mean_at_4096_tokens_agrees_with_sampled_groups(name):
                       torch.tensor([exact.total_variance + float(exact.mean @ exact.mean)])])
     z = (samples.mean(0) - want).abs() / (samples.std(0) / n ** 0.5)
     assert float(z.max()) <= MAX_Z, z
+
+
+def test_a_normalizer_that_can_vanish_is_refused_by_name():
+    """Token SNIS whose weight underflows to 0 on some token: the normalizer Σ w could be 0, so
+    there is no Laplace rule; the error names the behaviour policy and the cause."""
+    mdp = L.LatticeMDP(L.token_count(0, 3, modulus=2), 3)
+    pi = L.LatticePolicy(mdp, generator=torch.Generator().manual_seed(0))
+    logits = pi.logits.detach().clone()
+    logits[..., 0] -= 900.0                      # π_old all but excludes token 0 ...
+    old = L.LatticePolicy(mdp, logits=logits)    # ... so its π_old/μ is e^-900 = 0
+    with pytest.raises(ValueError, match="behavior: the importance weight.*Laplace rule"):
+        L.moments(mdp, pi, NEW["token_mean_snis"], group_size=2, behavior=pi, old=old,
+                  method="lattice")

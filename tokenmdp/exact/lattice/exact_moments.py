@@ -211,6 +211,11 @@ def form_moments(mdp: LatticeMDP, logp: dict, form: LatticeForm, estimator, G: i
         f1, f2 = lengths.reciprocal(), lengths.reciprocal() ** 2
     elif form.normalizer in ("kept", "total", "ratio"):
         nu = _counted(form, logp, shape)
+        if not float(nu.max()) < math.inf or (form.counted == "weight" and
+                                              not float(nu.min()) > 0):
+            raise ValueError("behavior: the importance weight π_old/μ of some token is 0 or "
+                             "infinite in float64, so the self-normalized normalizer Σ w can be "
+                             "0 or infinite; the Laplace rule needs it positive and finite")
         if form.counted == "kept":       # a rejected token has loss weight 0: no term at all
             basis = basis * nu
         group = 1 if form.normalizer == "kept" else G
