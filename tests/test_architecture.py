@@ -235,8 +235,10 @@ def _public_modules():
     return [name for name in module_names(PACKAGE)
             if not any(part.startswith("_") for part in name.split(".")[1:])
             and name != "tokenmdp.model.flex"        # loaded lazily, CUDA only
-            and not (name == "tokenmdp.integrations.trl_trainer"   # the optional extra
-                     and importlib.util.find_spec("trl") is None)]
+            and not (name == "tokenmdp.integrations.trl_trainer"   # the optional extras
+                     and importlib.util.find_spec("trl") is None)
+            and not (name.startswith("tokenmdp.integrations.verl_")
+                     and importlib.util.find_spec("verl") is None)]
 
 
 @pytest.mark.parametrize("name", _public_modules())

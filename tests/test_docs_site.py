@@ -28,8 +28,10 @@ from tokenmdp import estimators  # noqa: E402
 
 # The attention module that is loaded lazily, on CUDA only.
 NOT_IN_API = {"tokenmdp.model.flex"}
-if importlib.util.find_spec("trl") is None:   # the optional extra is not installed
+if importlib.util.find_spec("trl") is None:   # the optional extras are not installed
     NOT_IN_API.add("tokenmdp.integrations.trl_trainer")
+if importlib.util.find_spec("verl") is None:
+    NOT_IN_API.update({"tokenmdp.integrations.verl_losses", "tokenmdp.integrations.verl_plugin"})
 
 
 def _public_modules_with_all():

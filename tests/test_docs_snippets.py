@@ -3,11 +3,14 @@
 Every ```` ```python ```` block of ``docs/concepts/*.md`` and ``docs/guides/*.md`` is executed
 top to bottom in a fresh namespace per page, as a reader who pastes them one after the other
 would, so a guide cannot rot unseen. The snippets check their own claims with ``assert``.
-Blocks in other languages (``bash``, ``text``) are not run.
+Blocks in other languages (``bash``, ``text``) are not run. A block whose first line is
+``# needs the NAME extra ...`` runs only where the package ``NAME`` is installed (``verl``: CI runs
+it in the verl extra's own environment, ``.ci/run``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import time
 from pathlib import Path
@@ -21,6 +24,13 @@ PAGES = sorted([*DOCS.glob("concepts/*.md"), *DOCS.glob("guides/*.md")])
 PAGE_TIME_LIMIT_S = 60.0
 
 _FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+_NEEDS = re.compile(r"^# needs the (?P<extra>\w+) extra\b")
+
+
+def needed_extra(source: str) -> str | None:
+    """The extra a snippet's first line says it needs (``# needs the verl extra``), if any."""
+    match = _NEEDS.match(source)
+    return match.group("extra") if match else None
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -59,6 +69,11 @@ def test_python_blocks_finds_only_python_fences():
     assert python_blocks(text) == [(3, "x = 1\n"), (10, "y = 2\n")]
 
 
+def test_needed_extra_reads_the_first_line_only():
+    assert needed_extra('# needs the verl extra: pip install "tokenmdp[verl]"\nx = 1\n') == "verl"
+    assert needed_extra("x = 1\n# needs the verl extra\n") is None
+
+
 def test_pages_have_snippets():
     # the guides exist to be run: each must hold at least one snippet
     guides = [p for p in PAGES if p.parent.name == "guides" and p.name != "index.md"]
@@ -74,6 +89,9 @@ def test_page_snippets_run(page: Path, tmp_path: Path, monkeypatch):
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     start = time.perf_counter()
     for line, source in python_blocks(page.read_text()):
+        extra = needed_extra(source)
+        if extra is not None and importlib.util.find_spec(extra) is None:
+            continue                   # the extra is not installed here
         code = compile(source, f"{page.relative_to(DOCS)}:{line}", "exec")
         exec(code, namespace)  # noqa: S102 - the documentation's own snippets
     assert time.perf_counter() - start < PAGE_TIME_LIMIT_S

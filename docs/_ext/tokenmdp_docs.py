@@ -186,8 +186,10 @@ def write_estimator_cards(live: bool) -> None:
 
 
 NOT_IN_API = {"tokenmdp.model.flex"}  # loaded lazily, on CUDA only
-if importlib.util.find_spec("trl") is None:   # the optional extra is not installed
+if importlib.util.find_spec("trl") is None:   # the optional extras are not installed
     NOT_IN_API.add("tokenmdp.integrations.trl_trainer")
+if importlib.util.find_spec("verl") is None:
+    NOT_IN_API.update({"tokenmdp.integrations.verl_losses", "tokenmdp.integrations.verl_plugin"})
 
 
 def api_modules() -> list[tuple[str, str]]:

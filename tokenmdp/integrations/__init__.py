@@ -8,7 +8,8 @@ written against trl 1.16.0 and verl 0.9.1 (their field names and defaults are pi
 
 Floors, top to bottom::
 
-    commands, trl_trainer
+    verl_plugin
+    commands, trl_trainer, verl_losses
     trl, verl
     common
 
@@ -21,7 +22,12 @@ Floors, top to bottom::
   (``tokenmdp estimators``);
 * :mod:`~tokenmdp.integrations.trl_trainer` — ``TokenMDPGRPOTrainer``, TRL's ``GRPOTrainer``
   training with any registry estimator; it needs the extra (``pip install "tokenmdp[trl]"``,
-  trl 1.16.x) and is imported only on request, never by this front door.
+  trl 1.16.x) and is imported only on request, never by this front door;
+* ``tokenmdp.integrations.verl_losses`` — ``register_with_verl``: every registry estimator as a
+  verl policy loss (``policy_loss.loss_mode=tokenmdp_<name>``), and
+  ``tokenmdp.integrations.verl_plugin``, whose import registers them in verl's worker processes
+  (``model.external_lib``); both need the extra (``pip install "tokenmdp[verl]"``, verl 0.9.x)
+  and are imported only on request (the API reference has their pages where verl is installed).
 
 It stands above the front ends (it reads :mod:`tokenmdp.reports` for the compare row).
 """

@@ -1,8 +1,11 @@
-"""What both mappings share: reading a configuration, the result type, its card.
+"""What both mappings share: reading a configuration, the result type, its card, and the
+padded batch both trainer hooks build.
 
 A configuration arrives as a mapping, a path to a YAML or JSON file, or (TRL) an object with the
 peer's attributes; :func:`read_config` turns the first two into a plain ``dict``. YAML needs
 ``pyyaml`` (installed with the ``docs`` extra); it is imported when a YAML file is read.
+:func:`batch_from_padded` turns a peer's padded ``[B, T]`` response tensors into a
+:class:`~tokenmdp.TokenBatch`, column for column (TRL's hook and verl's policy losses).
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ import textwrap
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from tokenmdp import estimators
-from tokenmdp.estimators import Estimator
+import torch
 
-__all__ = ["ConfiguredEstimator", "read_config"]
+from tokenmdp import estimators
+from tokenmdp.batch import TokenBatch
+from tokenmdp.estimators import Estimator
+from tokenmdp.interop.padded import from_hf
+
+__all__ = ["ConfiguredEstimator", "batch_from_padded", "read_config"]
 
 WIDTH = 90  # columns of the card
 
@@ -144,3 +151,58 @@ def registry_match(estimator: Estimator) -> str | None:
         if estimator.replace(name=name) == entry:
             return name
     return None
+
+
+def batch_from_padded(mask_BT: torch.Tensor, old_logprob_BT: torch.Tensor, *,
+                      dtype: torch.dtype, tokens_BT: torch.Tensor | None = None,
+                      loss_BT: torch.Tensor | None = None,
+                      behavior_logprob_BT: torch.Tensor | None = None,
+                      ref_logprob_BT: torch.Tensor | None = None,
+                      advantage_BT: torch.Tensor | None = None) -> TokenBatch:
+    """A padded :class:`~tokenmdp.TokenBatch` of a peer's response tensors, column for column.
+
+    Row ``b`` is response ``b``; the columns up to the last one ``mask_BT`` sets are its
+    sequence (at least one column, so a fully masked response stays a row), the rest padding.
+    The prompt is left out: no estimator reads it.
+
+    Parameters
+    ----------
+    mask_BT : Tensor ``[B, T]``
+        The peer's response mask (bool or 0/1): where the response's tokens are.
+    old_logprob_BT : Tensor ``[B, T]``
+        ``log π_old`` of each column.
+    dtype : torch.dtype
+        Float dtype of every float field (``float32`` or ``float64``).
+    tokens_BT : integer Tensor ``[B, T]``, optional
+        The token ids (default 0: a peer that passes none; only Clip-Cov's tie-break reads them).
+    loss_BT : Tensor ``[B, T]``, optional
+        The loss tokens, inside ``mask_BT`` (default ``mask_BT``).
+    behavior_logprob_BT, ref_logprob_BT : Tensor ``[B, T]``, optional
+        ``log μ`` of the sampler and ``log π_ref`` of the reference.
+    advantage_BT : Tensor ``[B, T]``, optional
+        Per-token advantages, kept on the loss tokens (default: 1 there, as
+        :func:`~tokenmdp.interop.from_hf` fills it; :func:`~tokenmdp.estimators.prepare`
+        replaces it).
+
+    Returns
+    -------
+    TokenBatch
+        ``reward`` 0, each response its own group, ``loss_weight`` 1 on the loss tokens.
+    """
+    mask = mask_BT.bool()
+    keep = mask if loss_BT is None else loss_BT.bool() & mask
+    ids = torch.zeros(mask.shape, dtype=torch.long, device=mask.device) if tokens_BT is None \
+        else tokens_BT
+    cols = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, cols, 0).amax(dim=1, keepdim=True)    # last masked column (or 0)
+    real = cols <= last
+
+    def cast(tensor):
+        return None if tensor is None else tensor.to(dtype)
+
+    advantage = None if advantage_BT is None else torch.where(keep, advantage_BT.to(dtype), 0.0)
+    return from_hf(ids, real.long(), torch.where(keep, ids, -100), length=real.sum(1),
+                   old_logprob=cast(old_logprob_BT), behavior_logprob=cast(behavior_logprob_BT),
+                   ref_logprob=cast(ref_logprob_BT), advantage=advantage,
+                   reward=torch.zeros(mask.shape[0], dtype=dtype, device=mask.device),
+                   dtype=dtype)

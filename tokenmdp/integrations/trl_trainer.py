@@ -42,7 +42,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
 
 from tokenmdp.estimators import Aggregation, Estimator, loss, prepare
 from tokenmdp.estimators import get as get_estimator
-from tokenmdp.interop.padded import from_hf
+from tokenmdp.integrations.common import batch_from_padded
 
 TESTED_TRL = "1.16"
 """The TRL release line this hook was written and tested against (``_compute_loss``'s inputs)."""
@@ -92,24 +92,12 @@ def batch_from_trl(inputs: dict, logprobs_BT: torch.Tensor):
         Row ``b`` = completion ``b``, columns those of ``completion_ids``, dtype of
         ``logprobs_BT``.
     """
-    ids, mask = inputs["completion_ids"], inputs["completion_mask"].bool()
-    if "tool_mask" in inputs:
-        keep = mask & inputs["tool_mask"].bool()
-    else:
-        keep = mask
-    width = ids.shape[1]
-    cols = torch.arange(width, device=ids.device)
-    last = torch.where(mask, cols, 0).amax(dim=1, keepdim=True)   # last kept column (or 0)
-    real = cols <= last
     old = inputs.get("old_per_token_logps")
     old = logprobs_BT.detach() if old is None else old
-    behavior = inputs.get("sampling_per_token_logps", old)
-    dtype = logprobs_BT.dtype
-    return from_hf(ids, real.long(), torch.where(keep, ids, -100), length=real.sum(1),
-                   old_logprob=old.to(dtype), behavior_logprob=behavior.to(dtype),
-                   ref_logprob=(inputs["ref_per_token_logps"].to(dtype)
-                                if "ref_per_token_logps" in inputs else None),
-                   reward=torch.zeros(ids.shape[0], dtype=dtype, device=ids.device))
+    return batch_from_padded(inputs["completion_mask"], old, dtype=logprobs_BT.dtype,
+                             tokens_BT=inputs["completion_ids"], loss_BT=inputs.get("tool_mask"),
+                             behavior_logprob_BT=inputs.get("sampling_per_token_logps", old),
+                             ref_logprob_BT=inputs.get("ref_per_token_logps"))
 
 
 class TokenMDPGRPOTrainer(GRPOTrainer):
