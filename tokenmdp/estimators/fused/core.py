@@ -71,12 +71,14 @@ class FusedTerms(NamedTuple):
 class FusedLoss(torch.autograd.Function):
     """``total`` (computed without autograd) as a function of ``x`` whose gradient is
     ``coef_RC``: the backward pass is one product. First-order only (nothing in tokenmdp takes
-    a second derivative of a loss; a double backward raises)."""
+    a second derivative of a loss; a double backward raises). The value is returned as a new
+    tensor, not ``total`` itself, so a caller may add to it in place (verl's actor loss adds its
+    KL and entropy terms with ``+=``)."""
 
     @staticmethod
     def forward(ctx, x, total, coef_RC):  # numpydoc ignore=GL08
         ctx.save_for_backward(coef_RC)
-        return total
+        return total.clone()
 
     @staticmethod
     @once_differentiable
