@@ -19,8 +19,9 @@ ground truth and the moments of token-level estimators are forward/backward recu
   in which the lattice computes it exactly (:func:`exact_support` says why not otherwise);
 * :mod:`~tokenmdp.exact.lattice.laplace` — random normalizers ``1/N`` and ``1/N²`` as sums of
   exponentials with a proven error bound (the Laplace identity);
-* :mod:`~tokenmdp.exact.lattice.sweep` — tilted forward/backward passes under ``μ κ^p e^{−sν}``
-  for every Laplace node at once;
+* :mod:`~tokenmdp.exact.lattice.sweep` and :mod:`~tokenmdp.exact.lattice.node_passes` —
+  tilted forward/backward passes under ``μ κ^p e^{−sν}`` for every Laplace node at once, and
+  one node's tables and the full ``E[X Xᵀ]`` of small lattices;
 * :mod:`~tokenmdp.exact.lattice.second_moments` — one response's ``E‖DᵀX‖²`` (and its
   matrix) in a policy's own parameter, by vector-valued forward messages;
 * :mod:`~tokenmdp.exact.lattice.exact_moments` and :mod:`~tokenmdp.exact.lattice.moments` —
@@ -31,7 +32,8 @@ Floors, top to bottom::
 
     behavior, moments
     exact_moments
-    second_moments, sweep
+    node_passes, second_moments
+    sweep
     ground_truth, shared
     monte_carlo, policy, structure
     mdp

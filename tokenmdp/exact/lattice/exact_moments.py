@@ -41,9 +41,10 @@ from tokenmdp.exact.lab.moments_result import Moments, _exact_moments
 from tokenmdp.exact.lattice.coefficients import token_coefficients, token_table
 from tokenmdp.exact.lattice.laplace import laplace_rule
 from tokenmdp.exact.lattice.mdp import LatticeMDP
+from tokenmdp.exact.lattice.node_passes import node_tables, second_matrix
 from tokenmdp.exact.lattice.second_moments import member_square
 from tokenmdp.exact.lattice.structure import LatticeForm
-from tokenmdp.exact.lattice.sweep import Powers, class_weights, node_tables, second_matrix, sweep
+from tokenmdp.exact.lattice.sweep import Powers, class_weights, sweep
 
 __all__ = ["form_moments", "BASIS_TOL", "PROBE_ADVANTAGES"]
 

@@ -46,14 +46,18 @@ EPS = 2.0 ** -52
 class LaplaceRule:
     """Nodes and weights with ``N^{-p} ≈ Σ_j weights[p][j] e^{-nodes[j] N}`` on ``[low, high]``.
 
-    Attributes
+    Built by :func:`laplace_rule`; each parameter is also the attribute of that name.
+
+    Parameters
     ----------
     nodes : Tensor ``[n]``
         The ``s_j > 0``, float64.
     weights : dict of int to Tensor ``[n]``
         ``p -> w_{p,j}`` for ``p`` in 1, 2.
-    low, high : float
-        The range of ``N`` the bound holds on.
+    low : float
+        The smallest ``N`` the bound holds for.
+    high : float
+        The largest.
     error_bound : dict of int to float
         ``p ->`` the proven bound on ``|N^p Σ_j w_{p,j} e^{-s_j N} - 1|`` over the range.
     """

@@ -70,7 +70,9 @@ NORMALIZERS = ("constant", "length", "kept", "total", "ratio")
 class LatticeForm:
     """How the lattice computes an estimator exactly (see the module).
 
-    Attributes
+    Built by :func:`lattice_form`; each parameter is also the attribute of that name.
+
+    Parameters
     ----------
     kind : {"local", "sequence", "per_decision"}
         How a token's coefficient reads its response.
