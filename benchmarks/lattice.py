@@ -16,10 +16,6 @@ engine ``μ`` adds a fixed logit perturbation of standard deviation σ per (stat
    per-token length penalty added to the reward (the automaton's 0/1 reward alone is decided
    by the last few tokens of a mixing automaton, so its gap does not grow with ``T``).
 
-Timing targets (one thread, ``T = 4096``, ``K = 32``, ``V = 8``): ``J + ∇J`` within 1 s; one
-estimator's exact mean and variance at ``G = 8`` within 10 s; every registry estimator the
-lattice computes exactly within 3 minutes (``--skip-all`` leaves the last out).
-
 4. with ``--trainer-match``, instead: the exact world at the long-answer study's mismatch and
    length (``benchmarks/_long_study_exact.py``): an exact-match lattice with the trainer's
    vocabulary and per-token entropy, the engine the marginal of its fresh logit noise; per
@@ -28,8 +24,25 @@ lattice computes exactly within 3 minutes (``--skip-all`` leaves the last out).
    noise drawn fresh per token, as the trainer's engine does (MiniRL's weight then uses that
    draw's ``μ_ε``).
 
+5. who counts the tokens, at length (``benchmarks/_lattice_aggregation.py``): the exact bias,
+   variance and length bias of the token mean (DAPO) against the per-sequence token mean (GRPO)
+   and the constant normalizer (Dr. GRPO), REINFORCE with a group-mean (or no) baseline, for
+   ``G`` in ``--group-sizes`` and ``T`` in ``--aggregation-lengths``, in tutorial 4's world at
+   length (the answer first, then chatter: wrong answers ramble twice as long as right ones);
+   every figure is scale-free and exact (``Moments.method`` is printed), and the mean's figures
+   are given both for the tabular policy and for one logit table shared by all positions.
+
+Timing targets (one thread, ``T = 4096``, ``K = 32``, ``V = 8``, ``G = 8``): ``J + ∇J`` within
+1 s; one token-mean estimator's exact mean and total variance (``--timing-estimator``, default
+``dapo``) within 30 s; every registry estimator the lattice computes exactly within 3 minutes
+(``--skip-all`` leaves the last out). The ratio to each target is printed.
+
 Usage: ``python benchmarks/lattice.py [--lengths 16 64 256 1024 4096] [--states 32] [--vocab 8]
-[--figure docs/_static/long_responses.png]``; ``python benchmarks/lattice.py --trainer-match
+[--figure docs/_static/long_responses.png] [--aggregation-lengths 64 256 1024 4096]
+[--group-sizes 1 2 4 8 16] [--aggregation-figure docs/_static/long_responses_aggregation.png]``;
+``python benchmarks/lattice.py [--aggregation-only] [--quick]`` (``--aggregation-only``: section 5
+alone; ``--quick``: tiny sizes, no figure unless asked for); ``python benchmarks/lattice.py
+--trainer-match
 [--lengths 16 64] [--sigmas 0.1 0.25 0.5 1 2] [--group-size 4] [--groups 4000]
 [--fresh-estimators minirl minirl_no_is sequence_tis] [--skip-exact]``.
 """
@@ -49,7 +62,11 @@ from tokenmdp import estimators
 from tokenmdp.exact import lattice as L
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS_S = {"J + ∇J": 1.0, "one estimator, G = 8": 10.0, "all exact estimators, G = 8": 180.0}
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _lattice_aggregation as agg  # noqa: E402
+
+TARGETS_S = {"J + ∇J": 1.0, "one token-mean estimator, G = 8": 30.0,
+             "all exact estimators, G = 8": 180.0}
 COSINE_ESTIMATORS = ("minirl", "minirl_no_is", "minirl_len_norm")
 
 
@@ -128,7 +145,8 @@ def first_order_table(lengths, K, V, step, cost):
     return rows
 
 
-def timings(T, K, V, G, sigma, all_estimators: bool):
+def timings(T, K, V, G, sigma, all_estimators: bool, name: str = "dapo"):
+    """Time ``J + ∇J``, one token-mean estimator and every exact registry estimator."""
     mdp, pi, mu = world(T, K, V, sigma)
     ref = L.LatticePolicy(mdp, logits=pi.logits.detach() * 0.9).requires_grad_(False)
     t0 = time.perf_counter()
@@ -136,26 +154,101 @@ def timings(T, K, V, G, sigma, all_estimators: bool):
         L.objective(mdp, pi)
     L.gradient(mdp, pi)
     results = {"J + ∇J": time.perf_counter() - t0}
+    est = estimators.get(name)
+    if est.aggregation is not estimators.Aggregation.TOKEN_MEAN:
+        raise ValueError(f"--timing-estimator: {name!r} does not aggregate by the token mean")
     t0 = time.perf_counter()
-    m = L.moments(mdp, pi, estimators.get("minirl"), group_size=G, behavior=mu, old=pi)
-    assert m.method == "lattice"
-    results["one estimator, G = 8"] = time.perf_counter() - t0
+    m = L.moments(mdp, pi, est, group_size=G, behavior=mu, old=pi, reference=ref,
+                  method="lattice")
+    results["one token-mean estimator, G = 8"] = time.perf_counter() - t0
     names = [n for n in estimators.names() if L.exact_support(estimators.get(n), G)[0]]
+    refused = {}                  # exact in form, but a ratio reaches its cap on these policies
+    each = {}
     if all_estimators:
         t0 = time.perf_counter()
         for n in names:
-            L.moments(mdp, pi, estimators.get(n), group_size=G, behavior=mu, old=pi,
-                      reference=ref, method="lattice")
+            each[n] = time.perf_counter()
+            try:
+                L.moments(mdp, pi, estimators.get(n), group_size=G, behavior=mu, old=pi,
+                          reference=ref, method="lattice")
+            except ValueError as err:
+                refused[n] = str(err).split(": ", 2)[-1]
+            each[n] = time.perf_counter() - each[n]
         results["all exact estimators, G = 8"] = time.perf_counter() - t0
-    print(f"\ntimings at T = {T}, K = {K}, V = {V}, G = {G} ({torch.get_num_threads()} thread(s))")
-    print(f"{'what':<30} {'seconds':>9} {'target':>8}  verdict")
+    targeted = T == 4096 and K <= 32 and V <= 8 and G == 8
+    print(f"\ntimings at T = {T}, K = {K}, V = {V}, G = {G} ({torch.get_num_threads()} thread(s)); "
+          f"the token-mean estimator: {name} (method {m.method})")
+    print(f"{'what':<34} {'seconds':>9} {'target':>8} {'ratio':>7}  verdict")
     for what, s in results.items():
-        target = TARGETS_S[what] if (T, K, V, G) == (4096, 32, 8, 8) else None
+        target = TARGETS_S[what] if targeted else None
         verdict = "-" if target is None else ("met" if s <= target else "MISSED")
         shown = "-" if target is None else f"{target:g}"
-        print(f"{what:<30} {s:>9.2f} {shown:>8}  {verdict}")
+        ratio = "-" if target is None else f"{s / target:.2f}"
+        print(f"{what:<34} {s:>9.2f} {shown:>8} {ratio:>7}  {verdict}")
     print(f"exact on the lattice at G = {G}: {len(names)} registry estimators: {', '.join(names)}")
+    for n, why in refused.items():
+        print(f"  {n}: refused on these policies (timed until the refusal): {why}")
+    if each:
+        print("slowest: " + ", ".join(f"{n} {s:.1f} s" for n, s in
+                                      sorted(each.items(), key=lambda kv: -kv[1])[:6]))
     return results
+
+
+def aggregation_table(rows, references, sigma: float = 0.0) -> None:
+    """Print section 5: per advantage, the tabular (exact mean and variance) and the shared
+    (the mean summed over positions) figures, and the reference lines of ``∇J``."""
+    engine = "on-policy (mu = pi)" if sigma == 0 else f"engine logit noise sigma = {sigma:g}"
+    print(f"\n5. who counts the tokens at length: REINFORCE, {engine}, one group of G per step; "
+          "tutorial 4's world (answer first, then chatter; 3 states)")
+    print(f"{'T':>6} {'J':>6} {'E|y|':>8} {'E[|y| right]':>13} {'E[|y| wrong]':>13}   grad J: "
+          "cos(., grad E|y|) and dlogE|y|/dJ, tabular | shared")
+    for T, r in references.items():
+        tab, sh = r["tabular"], r["shared"]
+        print(f"{T:>6} {r['J']:>6.3f} {r['length']:>8.1f} {r['right']:>13.1f} {r['wrong']:>13.1f}"
+              f"   {tab['length_cosine']:+.4f} {tab['length_per_J']:+.3f} | "
+              f"{sh['length_cosine']:+.4f} {sh['length_per_J']:+.3f}")
+    direction = (f"{'cos gradJ':>10} {'bias@c*':>9} {'cos gradE|y|':>12} {'dlogRight':>10} "
+                 f"{'dlogWrong':>10}")
+    for adv in dict.fromkeys(r.advantage for r in rows):
+        for coords in agg.COORDINATES:
+            print(f"\nadvantage {agg.ADVANTAGES[adv].describe()}, {coords} coordinates "
+                  + ("(exact E g and tr Cov; s: seconds of moments)" if coords == "tabular" else
+                     "(one logit table for all positions: E g summed over positions)"))
+            print(f"{'T':>6} {'G':>3} {'aggregation':<27} "
+                  + (f"{'method':<8} " if coords == "tabular" else "") + direction
+                  + (f" {'trCov/|Eg|^2':>13} {'gain':>9} {'s':>6}" if coords == "tabular" else ""))
+            shown = set()
+            for r in (r for r in rows if r.advantage == adv):
+                d = getattr(r, coords)
+                G = r.G
+                if coords == "shared":                # one line where no figure depends on G
+                    same = [getattr(o, coords) for o in rows if (o.advantage, o.aggregation,
+                                                                 o.T) == (adv, r.aggregation, r.T)]
+                    if all(abs(o[k] - d[k]) <= 1e-9 * max(1.0, abs(d[k])) for o in same
+                           for k in d) and len(same) > 1:
+                        if (r.aggregation, r.T) in shown:
+                            continue
+                        shown.add((r.aggregation, r.T))
+                        G = "all"
+                line = (f"{r.T:>6} {G:>3} {agg.LABELS[r.aggregation]:<27} "
+                        + (f"{r.method:<8} " if coords == "tabular" else "")
+                        + f"{d['cosine']:>10.6f} {d['bias']:>9.2e} {d['length_cosine']:>+12.4f} "
+                        f"{d['right_per_J']:>+10.4f} {d['wrong_per_J']:>+10.4f}")
+                if coords == "tabular":
+                    line += f" {r.relative_variance:>13.4g} {r.gain:>9.3e} {r.seconds:>6.2f}"
+                print(line)
+        if adv == "group-mean":
+            Gs = sorted({r.G for r in rows if r.advantage == adv})
+            print("groups per step B* at which the gains cos^2/(1 + trCov/(B |Eg|^2)) of the "
+                  "constant and of seq-mean-token-mean cross (tabular; the constant's is larger "
+                  "above it when its cosine is; -: never):")
+            for T in references:
+                print(f"  T = {T:>5}: " + ", ".join(
+                    f"G = {G}: " + ("-" if math.isnan(b := agg.crossover_groups(rows, T, G))
+                                    else f"{b:.0f}") for G in Gs if G > 1))
+    print("(dlogRight, dlogWrong: d log E[|y| | right or wrong] / dJ along E g, 0 along grad J; "
+          "the group mean at G = 1 gives A = 0, a zero gradient: left out; "
+          f"{len(rows)} rows, {sum(r.seconds for r in rows):.0f} s of moments)")
 
 
 def figure(path, seq_rows, by_T, by_sigma, fo_rows, sigma, G):
@@ -229,7 +322,27 @@ def main(argv=None) -> int:
     p.add_argument("--timing-length", type=int, default=4096)
     p.add_argument("--skip-all", action="store_true",
                    help="leave out the timing of every exactly computable registry estimator")
-    p.add_argument("--figure", default=str(ROOT / "docs" / "_static" / "long_responses.png"))
+    p.add_argument("--timing-estimator", default="dapo",
+                   help="the token-mean registry estimator of the 30 s target")
+    p.add_argument("--figure", default=None,
+                   help="figure of 1.-3. (default docs/_static/long_responses.png)")
+    p.add_argument("--aggregation-lengths", type=int, nargs="+", default=[64, 256, 1024, 4096],
+                   help="the T of 5.")
+    p.add_argument("--group-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help="the G of 5.")
+    p.add_argument("--advantages", nargs="+", default=["group-mean", "reward"],
+                   choices=list(agg.ADVANTAGES), help="the advantages of 5.")
+    p.add_argument("--aggregation-sigma", type=float, default=0.0,
+                   help="engine logit noise of 5. (0: on-policy)")
+    p.add_argument("--empty-answer", type=float, default=0.01,
+                   help="probability of the empty answer in the world of 5.")
+    p.add_argument("--aggregation-figure", default=None,
+                   help="figure of 5. (default docs/_static/long_responses_aggregation.png)")
+    p.add_argument("--aggregation-only", action="store_true", help="only 5.")
+    p.add_argument("--skip-aggregation", action="store_true", help="leave 5. out")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes everywhere (T = 8, 16; K = 4; V = 3; G = 1, 2 in 5.; timing "
+                        "at T = 32 without --skip-all's part), no figure unless asked for")
     p.add_argument("--trainer-match", action="store_true",
                    help="only 4.: the exact world at the long-answer study's mismatch and length")
     p.add_argument("--groups", type=int, default=8000,
@@ -249,15 +362,42 @@ def main(argv=None) -> int:
         trainer_match(a.lengths, a.sigmas, a.group_size, a.groups, a.fresh_estimators,
                       a.skip_exact)
         return 0
+    static = ROOT / "docs" / "_static"
+    if a.quick:
+        a.lengths = a.aggregation_lengths = [8, 16]
+        a.states, a.vocab, a.group_sizes, a.sigmas = 4, 3, [1, 2], [0.0, 0.3]
+        a.timing_length, a.skip_all = 32, True
+    else:
+        a.figure = a.figure or str(static / "long_responses.png")
+        a.aggregation_figure = a.aggregation_figure or str(static /
+                                                           "long_responses_aggregation.png")
     if a.states < 2 or a.vocab < 2 or min(a.lengths) < 1:
         print("lattice.py: --states and --vocab must be >= 2, --lengths >= 1", file=sys.stderr)
         return 2
+    run_aggregation = not a.skip_aggregation
+    if run_aggregation and (a.vocab < 3 or min(a.aggregation_lengths) < 1
+                            or min(a.group_sizes) < 1 or a.aggregation_sigma < 0
+                            or not 0 < a.empty_answer < 0.7):
+        print("lattice.py: 5. needs --vocab >= 3, --aggregation-lengths and --group-sizes >= 1, "
+              "--aggregation-sigma >= 0 and 0 < --empty-answer < 0.7", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
-    seq_rows = sequence_is_table(a.lengths, a.states, a.vocab, a.sigma)
-    by_T, by_sigma = cosine_tables(a.lengths, a.sigmas, a.states, a.vocab, a.sigma, a.group_size)
-    fo_rows = first_order_table(a.lengths, a.states, a.vocab, a.stale_step, a.length_cost)
-    timings(a.timing_length, a.states, a.vocab, a.group_size, a.sigma, not a.skip_all)
-    figure(a.figure, seq_rows, by_T, by_sigma, fo_rows, a.sigma, a.group_size)
+    if not a.aggregation_only:
+        seq_rows = sequence_is_table(a.lengths, a.states, a.vocab, a.sigma)
+        by_T, by_sigma = cosine_tables(a.lengths, a.sigmas, a.states, a.vocab, a.sigma,
+                                       a.group_size)
+        fo_rows = first_order_table(a.lengths, a.states, a.vocab, a.stale_step, a.length_cost)
+    if run_aggregation:
+        rows, refs = agg.grid(a.aggregation_lengths, a.group_sizes, a.advantages, V=a.vocab,
+                              sigma=a.aggregation_sigma, p_empty=a.empty_answer)
+        aggregation_table(rows, refs, a.aggregation_sigma)
+        if a.aggregation_figure:
+            agg.figure(a.aggregation_figure, rows, refs, a.advantages[0])
+    if not a.aggregation_only:
+        timings(a.timing_length, a.states, a.vocab, a.group_size, a.sigma, not a.skip_all,
+                a.timing_estimator)
+        if a.figure:
+            figure(a.figure, seq_rows, by_T, by_sigma, fo_rows, a.sigma, a.group_size)
     return 0
 
 

@@ -97,12 +97,24 @@ def test_exact_scaling_benchmark_small():
 
 def test_lattice_benchmark_small(tmp_path):
     figure = tmp_path / "long_responses.png"
+    aggregation_figure = tmp_path / "long_responses_aggregation.png"
     out = run_script("lattice.py", "--lengths", "8", "16", "--states", "4", "--vocab", "3",
                      "--sigmas", "0.0", "0.3", "--timing-length", "32", "--skip-all",
-                     "--figure", str(figure))
-    for title in ("1. sequence IS", "2. cosine", "3. first-order gap", "timings at T = 32"):
+                     "--figure", str(figure), "--aggregation-lengths", "8", "16",
+                     "--group-sizes", "1", "2", "--aggregation-figure", str(aggregation_figure))
+    for title in ("1. sequence IS", "2. cosine", "3. first-order gap", "5. who counts the tokens",
+                  "timings at T = 32"):
         assert title in out, out
-    assert figure.stat().st_size > 0
+    assert figure.stat().st_size > 0 and aggregation_figure.stat().st_size > 0
+    # every row of 5. is exact, and at G = 1 the token mean is the per-sequence token mean
+    rows = [line.split() for line in out.splitlines() if " token-mean (DAPO) " in line
+            or " seq-mean-token-mean (GRPO) " in line]
+    assert rows and all("lattice" in r for r in rows if len(r) > 10), out
+
+
+def test_lattice_benchmark_quick_aggregation_only():
+    out = run_script("lattice.py", "--aggregation-only", "--quick")
+    assert "5. who counts the tokens" in out and "timings" not in out and "figure:" not in out
 
 
 @pytest.mark.slow

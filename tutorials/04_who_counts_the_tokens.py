@@ -56,7 +56,9 @@
 # 3. follow exact gradient ascent with each rule and watch the expected length drift;
 # 4. see why the token mean is nevertheless the right convention for *pretraining*, and how to keep
 #    it exact when a batch is split into micro-batches (and what a per-micro-batch normalizer,
-#    the failure mode, costs).
+#    the failure mode, costs);
+# 5. ask the same question, still exactly, of responses of 32 tokens, and point to its answer at
+#    4096.
 #
 # Everything is float64 on a CPU and runs in well under a minute.
 #
@@ -84,6 +86,7 @@
 # %%
 # %matplotlib inline
 import copy
+import math
 
 import matplotlib.pyplot as plt
 import torch
@@ -118,6 +121,7 @@ from tokenmdp.exact import (
     sample,
     sequence_probs,
 )
+from tokenmdp.exact import lattice as lat
 from tokenmdp.exact.lab.step_gradients import state_action_jacobian
 from tokenmdp.packing import pack_first_fit_decreasing, padded_layout, select_sequences, split_micro_batches
 
@@ -712,6 +716,81 @@ assert (answer - exact_mean).abs().max() < EXACT_TOL
 # mean ascends the same per-token objective as GRPO's group mean, just without the $\frac{G-1}{G}$
 # shrinkage.
 #
+# ## 8. At length
+#
+# Four tokens are enough to see the signs, not to say whether they survive at the lengths of a
+# reasoning model. `tokenmdp.exact.lattice` computes the same moments exactly when the reward is
+# read by a small automaton, at thousands of tokens, and for the token mean at every $G$: its
+# normalizer $N = \sum_j |y_j|$ couples the group, but $1/N = \int_0^\infty e^{-sN}\,ds$ and
+# $e^{-sN} = \prod_j e^{-s|y_j|}$ factorizes over the members, one lattice pass each, integrated
+# over $s$. Our world fits: three states (no answer yet, answered right, answered wrong), the
+# first token is the answer, the rest is chatter. We take $T = 32$
+# tokens, wrong answers rambling about twice as long as right ones, and groups of $G = 4$, and
+# measure the slopes of section 4 along each mean, $\langle \mathbb{E}[\hat g] /
+# \lVert\mathbb{E}[\hat g]\rVert, \nabla \mathbb{E}[|y| \mid \cdot\,] \rangle$, beside the
+# cosine to $\nabla J$ and the relative variance $\operatorname{tr}\operatorname{Cov}[\hat g] /
+# \lVert\mathbb{E}[\hat g]\rVert^2$ of one group. `method="lattice"` raises rather than sample.
+
+# %%
+T_LONG, G_LONG, V_LONG = 32, 4, 4                       # tokens 0 (right), 1, 2 (wrong), 3 = EOS
+START, RIGHT_STATE, WRONG_STATE = 0, 1, 2
+transitions = [[RIGHT_STATE, WRONG_STATE, WRONG_STATE],   # the first token is the answer,
+               [RIGHT_STATE] * 3, [WRONG_STATE] * 3]      # then chatter, which changes nothing
+long_mdp = lat.LatticeMDP(lat.RewardAutomaton(transitions, [0.0, 1.0, 0.0]), T_LONG)
+long_logits = torch.tensor([
+    [-1.0, 0.0, 0.0, -3.0],                             # usually wrong, rarely empty
+    [0.0, 0.0, 0.0, math.log(3 / (T_LONG / 4 - 1))],    # right: EOS once in T/4 tokens
+    [0.0, 0.0, 0.0, math.log(3 / (T_LONG / 2 - 1))]],   # wrong: once in T/2
+    dtype=torch.float64)
+long_policy = lat.LatticePolicy(long_mdp, logits=long_logits.expand(T_LONG, 3, V_LONG))
+
+
+def long_lengths(policy):
+    # E[|y| | right], E[|y| | a wrong answer token]: one action at the start, then one per chatter
+    # node visited (d(t, z), the lattice's visitation)
+    d = lat.visitation(long_mdp, policy)
+    p = torch.softmax(policy.logits[0, START], -1)
+    return ((p[0] + d[1:-1, RIGHT_STATE].sum()) / p[0],
+            (p[1:3].sum() + d[1:-1, WRONG_STATE].sum()) / p[1:3].sum())
+
+
+len_right, len_wrong = long_lengths(long_policy)
+grad_right, grad_wrong = (torch.autograd.grad(q, long_policy.logits, retain_graph=True)[0]
+                          .reshape(-1) for q in (len_right, len_wrong))
+with torch.no_grad():
+    print(f"T = {T_LONG}, G = {G_LONG}: J = {float(lat.objective(long_mdp, long_policy)):.3f}, "
+          f"E[|y| | right] = {float(len_right):.1f}, E[|y| | wrong] = {float(len_wrong):.1f}\n")
+print(f"{'mode':>20} {'method':>8} {'cos ∇J':>7} {'tr Cov/‖E ĝ‖²':>14} "
+      f"{'d E[|y| | right]':>17} {'d E[|y| | wrong]':>17}")
+at_length = {}
+for mode in (Aggregation.CONSTANT, Aggregation.TOKEN_MEAN, Aggregation.SEQUENCE_MEAN_TOKEN_MEAN):
+    m = lat.moments(long_mdp, long_policy, reinforce_group_mean.replace(aggregation=mode),
+                    group_size=G_LONG, method="lattice")
+    unit = m.mean / m.mean.norm()
+    at_length[mode] = (float(unit @ grad_right), float(unit @ grad_wrong))
+    print(f"{mode.value:>20} {m.method:>8} {m.cosine:>7.4f} "
+          f"{m.total_variance / float(m.mean @ m.mean):>14.1f} "
+          f"{at_length[mode][0]:>+17.4f} {at_length[mode][1]:>+17.4f}")
+assert max(abs(v) for v in at_length[Aggregation.CONSTANT]) < EXACT_TOL
+for mode in (Aggregation.TOKEN_MEAN, Aggregation.SEQUENCE_MEAN_TOKEN_MEAN):
+    assert at_length[mode][0] < 0 < at_length[mode][1]          # short when right, long when wrong
+assert abs(at_length[Aggregation.TOKEN_MEAN][1]) < abs(at_length[per_token_mean][1])
+
+# %% [markdown]
+# The picture of section 4 holds at 32 tokens: the constant leaves both lengths alone, the
+# per-sequence token mean shortens right answers and lengthens wrong ones, and the token mean does
+# the same, less. What the unbiased rule pays is noise: one group of the constant's gradient has
+# the largest relative variance, because its long responses bring many noisy tokens at full
+# weight, while the per-sequence mean divides them by $|y|$.
+#
+# `python benchmarks/lattice.py --aggregation-only` asks the same question of this world for
+# $G = 1 \dots 16$ and $T = 64 \dots 4096$, exactly; the documentation page
+# [*Long responses*](../concepts/long_responses.md) (Concepts › Long responses) reads its table
+# and figure. With one logit table shared by all positions, as an LLM shares its weights, the
+# token mean's length bias is still there at 4096 tokens: it shrinks like $1/G$, not with $T$.
+# And the per-sequence mean's lower variance outweighs its bias for one group per step, not for
+# a step that averages many.
+#
 # ## What verl / TRL / others call this
 #
 # Generated from the estimator registry's aliases (each entry names its aggregation):
@@ -735,3 +814,6 @@ show(alias_box(["grpo", "dr_grpo", "dapo"]))
 # * With $A = 1$ the token mean is the average NLL per token, the pretraining loss; computed once
 #   per step, its weights make micro-batch losses sum to the full loss, while per-micro-batch means
 #   do not.
+# * The lattice gives the same moments exactly at length (here 32 tokens; up to 4096 in
+#   `benchmarks/lattice.py`): the signs of the length bias stay, and the unbiased constant pays in
+#   variance.
