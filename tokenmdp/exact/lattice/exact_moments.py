@@ -221,7 +221,8 @@ def form_moments(mdp: LatticeMDP, logp: dict, form: LatticeForm, estimator, G: i
             basis = basis * nu
         group = 1 if form.normalizer == "kept" else G
         low = 1.0 if form.counted == "kept" else group * float(nu.min())
-        rule = laplace_rule(low, group * T * float(nu.max()))
+        # every token rejected everywhere: no term, ĝ = 0, any rule will do
+        rule = laplace_rule(low, max(low, group * T * float(nu.max())))
         s, w1, w2 = rule.nodes, rule.weights[1], rule.weights[2]
     w0 = form.w0
     outer = torch.zeros(T * K * V, T * K * V, dtype=torch.float64) if keep_cov else None

@@ -21,7 +21,7 @@ Concepts › Long responses):
 3. Random normalizers — the token mean's ``Σ_j |y_j|`` at every ``G``, kept counts when
    rejects leave the normalizer, the sum of weights of token-level self-normalized IS — by the
    Laplace identity ``1/N^p = Γ(p)^{-1} ∫ s^{p−1} e^{−sN} ds``
-   (:mod:`~tokenmdp.exact.lattice.laplace`): a sum over ~140 nodes of passes under ``μ e^{−sν}``,
+   (:mod:`~tokenmdp.exact.lattice.laplace`): a sum over ~60 nodes of passes under ``μ e^{−sν}``,
    exact to a proven relative error below ``1e-11``.
 
 Not exact, so estimated by Monte Carlo on the lattice with standard errors
