@@ -188,12 +188,6 @@ def lattice_form(estimator: Estimator, group_size: int, *, max_len: int = 2
         raise TypeError(f"estimator: expected an Estimator, got {type(estimator).__name__}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
-    undefined = _undefined_at(estimator, group_size)
-    if undefined:
-        return None, undefined
-    kind, why = _kind(estimator)
-    if kind is None:
-        return None, why
     part = estimator.advantage
     overridden = [m for m in ("from_batch", "per_sequence")
                   if getattr(type(part), m, None) is not getattr(Advantage, m, None)]
@@ -201,6 +195,12 @@ def lattice_form(estimator: Estimator, group_size: int, *, max_len: int = 2
             overridden:
         return None, (f"advantage {part.describe()} reads more of the batch than the group's "
                       "rewards")
+    undefined = _undefined_at(estimator, group_size)
+    if undefined:
+        return None, undefined
+    kind, why = _kind(estimator)
+    if kind is None:
+        return None, why
     if estimator.kl is not None and estimator.kl.in_reward:
         return None, "a KL penalty in the reward makes the reward a sum over tokens"
     local = estimator
