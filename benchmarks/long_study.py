@@ -65,6 +65,12 @@ Configurations (``--config``):
 * ``--quick`` — a smoke check of the whole pipeline (about a minute, one worker); its numbers mean
   nothing.
 
+Every RL run starts with ``_long_study_runs.RECIPE`` (issue 31: a 20-step learning-rate warm-up,
+AdamW reset on purpose, groups of equal rewards skipped) and ``G = 16`` (chosen from the SFT
+start's pass rate; ``rl_recipe.py`` measures it and the collapse rates with and without the
+recipe). The figures below were measured **before** it, with ``G = 4`` x 8 prompts, no warm-up
+and every group kept.
+
 Measured (cpu configuration, seeds 0-2, mean ± SE of Δ acc; the tables, the phase diagram and the
 reasons are in the documentation, *Benchmarks* › *Long answers with an engine-mismatch dial*):
 
@@ -232,7 +238,9 @@ def main(argv=None) -> list[dict]:
     header = (f"# Long-answer study ({'quick' if args.quick else args.config})\n\n"
               f"Task running_sum_L, engine {size['precision']} + logit noise sigma, device "
               f"{size['device']}, model {size['model']}, RL {c0.prompts_per_step} prompts x "
-              f"{c0.group_size}, lr {c0.lr:g}, {c0.steps} steps (room group "
+              f"{c0.group_size}, lr {c0.lr:g} (warm-up {c0.warmup_steps} steps, AdamW "
+              f"{c0.optimizer_state}, groups of equal rewards {c0.zero_variance_groups}), "
+              f"{c0.steps} steps (room group "
               f"{size['room_steps']}, evaluated at T = 1), eval {c0.eval_size} prompts every "
               f"{c0.eval_every} steps. SFT (seed 0): " +
               ", ".join(f"L={n}: {s['steps']} steps, accuracy at T = 1 {s['accuracy']:.3f}"

@@ -135,6 +135,16 @@ def test_long_study_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_rl_recipe_quick(tmp_path):
+    out = run_script("rl_recipe.py", "--quick", "--out", str(tmp_path))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert {r["arm"] for r in saved["results"]} == {"cold", "warm"}
+    assert "Fisher p vs cold" in out and "P(all wrong)" in out, out
+    again = run_script("rl_recipe.py", "--quick", "--out", str(tmp_path), "--report-only")
+    assert again.split("## Collapses")[1] == out.split("## Collapses")[1]
+
+
+@pytest.mark.slow
 def test_replay_study_quick(tmp_path):
     run_script("replay_study.py", "--quick", "--out", str(tmp_path))
     for name in ("results.md", "results.csv", "curves.png"):
@@ -158,3 +168,12 @@ def test_tutorials_benchmark_times_tutorial_one():
 def test_tutorials_benchmark_refuses_an_unknown_number():
     proc = run_benchmark("tutorials.py", "42")
     assert proc.returncode == 2 and "no tutorial 42" in proc.stderr
+
+
+def test_engine_mismatch_benchmark_quick(tmp_path):
+    out = run_script("engine_mismatch.py", "--quick", "--prompts", "8", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert {(r["precision"], r["mode"]) for r in rows} >= {
+        ("fp8_w8a8", "none"), ("fp4", "none"), ("fp32", "fresh"), ("fp32", "fixed"),
+        ("fp32", "heavy"), ("fp32", "growing")}, rows
+    assert "E[π_old/μ] ± SE" in out and (tmp_path / "results.md").stat().st_size > 0

@@ -343,7 +343,7 @@ for label, which in (("with a correction", corrected), ("without", ~corrected)):
 # corrected and uncorrected variants on both sides: at this mismatch
 # ($\mathrm{KL}(\pi_{\text{old}} \Vert \mu) \approx 0.13$ per response) the bias of ignoring
 # $\pi_{\text{old}}/\mu$ is small against the noise of two groups per update (tutorial 7
-# measured it exactly). Eight of the 55 engine $\Delta J$ lie beyond two standard errors, where
+# measured it exactly). Eight of the 56 engine $\Delta J$ lie beyond two standard errors, where
 # about 2.5 would by chance: a few of these effects may be real, but three seeds cannot say
 # which.
 #
@@ -418,20 +418,20 @@ plt.show()
 
 # %% [markdown]
 # What survives three seeds. One number computed before any training, the exact cosine,
-# orders the stale outcomes: the rank correlation is +0.85 on the seed means and between +0.78
-# and +0.90 on each seed alone. Most of it is the sign. The nine entries with a negative
+# orders the stale outcomes: the rank correlation is +0.84 on the seed means and between +0.77
+# and +0.89 on each seed alone. Most of it is the sign. The nine entries with a negative
 # cosine (four distinct runs: the GSPO family, LUSPO, CTPO) lose 0.11–0.12 of $J$ on average,
 # every other entry at most 0.07; on seed 0 alone the two groups overlap, on the seed means they
-# do not. Among the 46 entries with a positive cosine the ordering is weaker and noisier
-# (+0.75 on the means, +0.63 to +0.82 on single seeds): the cosines between 0.6 and 0.75
+# do not. Among the 47 entries with a positive cosine the ordering is weaker and noisier
+# (+0.74 on the means, +0.62 to +0.81 on single seeds): the cosines between 0.6 and 0.75
 # (GRPO, DAPO, PPO, MiniRL and their kin) lose 0.02–0.07 on average, those above 0.9 (RLOO,
 # CISPO, the IS estimators) gain 0.01–0.02, no more than the noise of the pairing. The second
-# decimal of these correlations is not to be trusted: the 55 entries are 34 distinct stale runs,
+# decimal of these correlations is not to be trusted: the 56 entries are 34 distinct stale runs,
 # and single seeds scatter by about 0.06 around the correlation.
 #
 # The on-policy and engine cosines of the classic estimators are all above 0.85, so in those
 # scenarios the final $J$ is decided by the scale of the loss and the noise of the updates
-# rather than by the direction, and the seed means say as much: on-policy, all 55 entries end
+# rather than by the direction, and the seed means say as much: on-policy, all 56 entries end
 # within 1.2 seed standard deviations of each other. To separate estimators there, a study
 # needs many more seeds, or larger batches.
 
@@ -684,8 +684,8 @@ show(alias_box(["dapo", "grpo"]))
 #   deviations of each other: Adam removes their scale differences, and their directions agree.
 # * Staleness separates them, and the exact cosine of $\mathbb{E}[\hat g]$ with $\nabla J$ at
 #   the start predicts how: estimators whose clip band the policy leaves after one update point
-#   away from $\nabla J$ and lose the most (rank correlation +0.85 on the seed means, +0.78 to
-#   +0.90 on single seeds, mostly carried by the sign of the cosine).
+#   away from $\nabla J$ and lose the most (rank correlation +0.84 on the seed means, +0.77 to
+#   +0.89 on single seeds, mostly carried by the sign of the cosine).
 # * Correction-only variants are their bases' twins wherever $\mu = \pi_{\text{old}}$; they
 #   matter only with an engine.
 # * Reading a new objective: sampling distribution, ratio, mask or clip, advantage, reducer,

@@ -103,7 +103,7 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path):
     (dict(minibatches=100), "minibatches"),
     (dict(replay="r3", dense=True), "dense"),
     (dict(replay="r4"), "replay"),
-    (dict(rollout_precision="fp4"), "rollout_precision"),
+    (dict(rollout_precision="fp6"), "rollout_precision"),
     (dict(mode="dpo"), "mode"),
     (dict(lr=0.0), "lr"),
 ])

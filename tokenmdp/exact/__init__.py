@@ -9,7 +9,8 @@ Floors, top to bottom::
     world
 
 * :mod:`~tokenmdp.exact.world` — the MDP and its state/terminal indexing, rewards, the policy
-  protocol (tabular, log-linear, neural), stale and inference-engine behaviour policies, the
+  protocol (tabular, log-linear, neural), stale and inference-engine behaviour policies (with
+  the engine mismatch modes, :class:`~tokenmdp.exact.EngineMismatch`), the
   ground truth (``J``, ``∇J``, values, KL, entropy, χ²) and Monte Carlo draws;
 * :mod:`~tokenmdp.exact.lab` — :func:`~tokenmdp.exact.moments`: the exact mean, variance and
   bias of any estimator or loss callable, by enumeration, exchangeability or streamed Monte
@@ -36,6 +37,7 @@ from tokenmdp.exact.lab.moments import MomentsWorkspace, moments
 from tokenmdp.exact.lab.moments_result import Moments
 from tokenmdp.exact.world import rewards
 from tokenmdp.exact.world.behavior import InferencePolicy, inference_copy, round_logits, stale_copy
+from tokenmdp.exact.world.engine_mismatch import EngineMismatch
 from tokenmdp.exact.world.ground_truth import (
     ValueTables,
     flat_grad,
@@ -64,7 +66,8 @@ __all__ = [
     "TokenMDP", "rewards", "PrefixPolicy", "TabularPolicy", "LogLinearPolicy", "NeuralPolicy",
     "check_policy", "objective", "gradient", "flat_grad", "sequence_logprobs", "sequence_probs",
     "state_logprobs", "state_visitation", "values", "ValueTables", "token_entropy", "sequence_kl",
-    "surrogate", "InferencePolicy", "inference_copy", "stale_copy", "round_logits", "sample",
+    "surrogate", "InferencePolicy", "inference_copy", "stale_copy", "round_logits",
+    "EngineMismatch", "sample",
     "Moments", "MomentsWorkspace", "moments", "count_draws", "PathPoint", "first_order_path",
     "trust_region_bound", "expected_length", "length_normalized_objective",
     "aggregation_gradients", "length_drift",

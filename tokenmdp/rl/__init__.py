@@ -2,7 +2,9 @@
 
 * :mod:`tokenmdp.rl.tasks` — a character tokenizer and verifiable tasks with held-out splits;
 * :mod:`tokenmdp.rl.rollout` — :class:`RolloutEngine`: batched sampling with a KV cache in its
-  own numerics, recording ``log μ`` and the routing of every sampled token;
+  own numerics (:mod:`tokenmdp.rl.engine_numerics`: its precisions, the numeric mismatch mode)
+  and with an engine mismatch mode (:class:`tokenmdp.exact.EngineMismatch`), recording ``log μ``
+  and the routing of every sampled token;
 * :mod:`tokenmdp.rl.mismatch` — :class:`RoutingReplay` (R2, R3), the ``old_logprob`` pass that
   records or replays routing, and the training–inference KL and routing-mismatch metrics;
 * :mod:`tokenmdp.rl.config` and :mod:`tokenmdp.rl.trainer` — :class:`TrainConfig` and
@@ -26,12 +28,13 @@ Floors, top to bottom::
     options, replay_bias, replay_runs, run_setup
     config, replay_exact
     plot, rollout, run_folder, update
-    checkpoint, logger, mismatch, tasks
+    checkpoint, engine_numerics, logger, mismatch, tasks
 
 It imports the model, the estimators, the narrow waist and, for routing replay analysed exactly
 (``replay_*``), the exact world; never a front end above it.
 """
 
+from tokenmdp.rl.engine_numerics import PRECISIONS, simulate_fp4, simulate_fp8
 from tokenmdp.rl.mismatch import (
     ENGINE_ROUTING,
     OLD_ROUTING,
@@ -42,9 +45,9 @@ from tokenmdp.rl.mismatch import (
     routing_mismatch_rate,
     training_inference_kl,
 )
-from tokenmdp.rl.rollout import PRECISIONS, RolloutEngine, simulate_fp8
+from tokenmdp.rl.rollout import RolloutEngine
 
 __all__ = ["ENGINE_ROUTING", "OLD_ROUTING", "PRECISIONS", "RolloutEngine", "RoutingReplay",
            "compute_old_logprobs", "replay_routing", "routing_mismatch_counts",
-           "routing_mismatch_rate", "simulate_fp8",
+           "routing_mismatch_rate", "simulate_fp4", "simulate_fp8",
            "training_inference_kl"]

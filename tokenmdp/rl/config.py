@@ -17,6 +17,8 @@ import torch
 __all__ = ["TrainConfig", "check_config", "field_docs"]
 
 MODES = ("rl", "sft")
+OPTIMIZER_STATES = ("reset", "carry")
+ZERO_VARIANCE_GROUPS = ("keep", "skip")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -40,11 +42,31 @@ class TrainConfig:
         MoE routing replay of the training passes: none, r2 (old-logprob pass's routing) or r3 (the
         rollout engine's routing).
     rollout_precision : str, default "fp32"
-        Numerics of the rollout engine: fp32, bf16, fp16 or fp8 (simulated).
+        Numerics of the rollout engine (the numeric mismatch mode): fp32, bf16, fp16, or fp32
+        compute on simulated low-precision numbers: fp8 (e4m3 weights), fp8_w8a8 (e4m3 weights
+        and activations, as fp8 inference engines) or fp4 (e2m1 weights in blocks of 32).
     rollout_logit_noise : float, default 0.0
-        Engine-mismatch dial beyond the precision: standard deviation of Gaussian noise added to
-        the rollout engine's logits at every sampled token (``RolloutEngine(logit_noise=...)``; 0:
-        none).
+        Engine-mismatch dial, fresh mode: standard deviation of Gaussian noise drawn anew at every
+        sampled token and added to the rollout engine's logits (``RolloutEngine(logit_noise=...)``,
+        the same as --rollout-mismatch fresh with this scale; 0: none). Real engines do not do
+        this: their logits are a function of the prefix (see --rollout-mismatch).
+    rollout_mismatch : str, default "none"
+        Engine mismatch mode of the rollout engine (``tokenmdp.exact.EngineMismatch``): none;
+        fixed (a Gaussian logit offset that is a function of the context and the token, the same
+        at every visit); heavy (an offset of plus or minus the scale on a share fraction of the
+        (context, token) pairs: rare large deviations); growing (relative noise scale times
+        abs(logit - mean logit), which grows as the policy sharpens); fresh (new noise at every
+        step, as --rollout-logit-noise, which engines do not do). The numeric mode is
+        --rollout-precision.
+    rollout_mismatch_scale : float, default 0.0
+        Size of the engine mismatch mode: standard deviation (fixed, fresh), offset (heavy) or
+        relative standard deviation (growing); > 0 with a mode, 0 without.
+    rollout_mismatch_fraction : float, default 1.0
+        Share in (0, 1] of the (context, token) pairs that the fixed, heavy and growing modes
+        perturb (only 1 for none and fresh).
+    rollout_mismatch_seed : int, default 0
+        Seed of the fixed, heavy and growing modes' pattern, in [0, 2^31 - 1): runs that keep it
+        sample from the same engine.
     minibatches : int, default 1
         Mini-batch updates per step (N >= 1); each is its own optimizer step, so N > 1 makes updates
         2..N off-policy.
@@ -67,7 +89,18 @@ class TrainConfig:
     grad_clip : float, default 1.0
         Clip the gradient norm to this value before each update (0 disables clipping).
     warmup_steps : int, default 0
-        Steps of linear learning-rate warm-up (step s uses lr * min(1, (s + 1) / warmup)).
+        Steps of linear learning-rate warm-up, in RL as in SFT (step s uses lr * min(1, (s + 1) /
+        warmup); counted from the run's step 0, so an RL run from an SFT checkpoint warms up
+        again).
+    optimizer_state : str, default "reset"
+        AdamW's state at the start of a run from ``init``: reset (a fresh AdamW, zero moments, as
+        verl and TRL start RL) or carry (the init checkpoint's moments and step counts, e.g.
+        SFT's; this run's lr, betas and weight decay). A resumed run continues its own state.
+    zero_variance_groups : str, default "keep"
+        RL groups whose rewards are all equal (all wrong, all right: zero advantage under a group
+        baseline): keep (as TRL) or skip (as verl's filter_groups and DAPO's dynamic sampling,
+        without resampling: their responses leave the step; a step left with none takes no
+        optimizer update). Their fraction is logged either way (frac_reward_zero_std).
     kl_coef : float or None, default None
         KL-in-loss coefficient (k3) to the reference (the initial model); None keeps the estimator's
         own KL, 0 removes it.
@@ -134,6 +167,10 @@ class TrainConfig:
     replay: str = "none"
     rollout_precision: str = "fp32"
     rollout_logit_noise: float = 0.0
+    rollout_mismatch: str = "none"
+    rollout_mismatch_scale: float = 0.0
+    rollout_mismatch_fraction: float = 1.0
+    rollout_mismatch_seed: int = 0
     minibatches: int = 1
     group_size: int = 4
     prompts_per_step: int = 8
@@ -145,6 +182,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     warmup_steps: int = 0
+    optimizer_state: str = "reset"
+    zero_variance_groups: str = "keep"
     kl_coef: float | None = None
     load_balancing_coef: float = 0.0
     steps: int = 20
@@ -206,9 +245,29 @@ def _device_supports(device: torch.device, precision: str) -> str | None:
             return "CUDA is not available"
         if precision == "bf16" and not torch.cuda.is_bf16_supported():
             return "this GPU has no bfloat16"
-    if precision == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+    if precision.startswith("fp8") and not hasattr(torch, "float8_e4m3fn"):
         return "this PyTorch build has no float8_e4m3fn"
     return None
+
+
+def _check_rollout_mismatch(cfg: TrainConfig) -> None:
+    """The ``rollout_mismatch*`` fields: an :class:`~tokenmdp.exact.EngineMismatch`, a scale
+    with every mode (none without one), not together with ``rollout_logit_noise``."""
+    from tokenmdp.exact.world.engine_mismatch import EngineMismatch
+
+    mode, scale = cfg.rollout_mismatch, cfg.rollout_mismatch_scale
+    if mode != "none" and cfg.rollout_logit_noise > 0:
+        raise ValueError("rollout_logit_noise, rollout_mismatch: give one of them "
+                         "(--rollout-logit-noise S is --rollout-mismatch fresh "
+                         "--rollout-mismatch-scale S)")
+    try:
+        EngineMismatch(mode, scale, cfg.rollout_mismatch_fraction, cfg.rollout_mismatch_seed)
+    except (TypeError, ValueError) as err:
+        field, _, why = str(err).partition(": ")
+        raise ValueError(f"rollout_mismatch{'' if field == 'mode' else '_' + field}: {why}"
+                         ) from None
+    if mode != "none" and not scale > 0:
+        raise ValueError(f"rollout_mismatch_scale: mode {mode} needs a scale > 0, got {scale}")
 
 
 def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
@@ -229,8 +288,8 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
         Naming the field (or fields) at fault.
     """
     from tokenmdp import estimators
+    from tokenmdp.rl.engine_numerics import PRECISIONS
     from tokenmdp.rl.mismatch import RoutingReplay
-    from tokenmdp.rl.rollout import PRECISIONS
     from tokenmdp.rl.tasks import TASKS
 
     for f in dataclasses.fields(cfg):  # every float option: a finite number (NaN, inf rejected)
@@ -260,6 +319,19 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
     if cfg.replay != "none" and cfg.dense:
         raise ValueError(f"replay: {cfg.replay} replays MoE routing, but the model is dense "
                          "(--dense); use --replay none")
+    if cfg.optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state: expected one of {', '.join(OPTIMIZER_STATES)}, got "
+                         f"{cfg.optimizer_state!r}")
+    if cfg.optimizer_state == "carry" and cfg.init is None:
+        raise ValueError("optimizer_state: carry takes the optimizer state of the init "
+                         "checkpoint; pass --init")
+    if cfg.zero_variance_groups not in ZERO_VARIANCE_GROUPS:
+        raise ValueError(f"zero_variance_groups: expected one of "
+                         f"{', '.join(ZERO_VARIANCE_GROUPS)}, got {cfg.zero_variance_groups!r}")
+    if cfg.zero_variance_groups == "skip" and (cfg.mode != "rl" or cfg.group_size < 2):
+        raise ValueError("zero_variance_groups: skip drops groups of equal rewards, which every "
+                         "group is " + ("in sft (A = 1)" if cfg.mode != "rl" else
+                                        "with group_size 1") + "; use keep")
     if cfg.rollout_precision not in PRECISIONS:
         raise ValueError(f"rollout_precision: expected one of {', '.join(PRECISIONS)}, got "
                          f"{cfg.rollout_precision!r}")
@@ -297,6 +369,7 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
         raise ValueError("grad_clip, kl_coef: must be >= 0")
     if not cfg.rollout_logit_noise >= 0:
         raise ValueError(f"rollout_logit_noise: must be >= 0, got {cfg.rollout_logit_noise}")
+    _check_rollout_mismatch(cfg)
     if not cfg.load_balancing_coef >= 0:
         raise ValueError(f"load_balancing_coef: must be >= 0, got {cfg.load_balancing_coef}")
     if cfg.load_balancing_coef > 0 and cfg.dense:

@@ -40,8 +40,9 @@ from torch import nn
 from tokenmdp.exact import TokenMDP, sequence_probs
 from tokenmdp.exact.world.policies import PrefixPolicy
 from tokenmdp.model import ModelConfig, MoETransformer, RoutingTrace
+from tokenmdp.rl.engine_numerics import PRECISIONS
 from tokenmdp.rl.mismatch import routing_mismatch_counts
-from tokenmdp.rl.rollout import PRECISIONS, RolloutEngine
+from tokenmdp.rl.rollout import RolloutEngine
 
 __all__ = ["EnginePolicy", "RoutedPolicy", "engine_model", "enumeration_routing",
            "expected_flip_fraction", "moe_policy"]
@@ -87,7 +88,7 @@ def engine_model(model: MoETransformer, *, precision: str = "fp64", selection_no
                  seed: int = 0) -> MoETransformer:
     """The rollout engine's copy of ``model``: its numerics and its router-score noise.
 
-    For ``fp32``, ``bf16``, ``fp16`` and ``fp8`` it is the model of a
+    For ``fp32``, ``bf16``, ``fp16``, ``fp8``, ``fp8_w8a8`` and ``fp4`` it is the model of a
     :class:`~tokenmdp.rl.rollout.RolloutEngine` (weights cast, fp8 rounded, compute in that
     dtype). ``fp64`` is a float64 copy with the same engine's selection bias: the engines then
     differ only in which experts they select.
@@ -96,7 +97,7 @@ def engine_model(model: MoETransformer, *, precision: str = "fp64", selection_no
     ----------
     model : MoETransformer
         The trainer's model at the rollout weights (not modified).
-    precision : {"fp64", "fp32", "bf16", "fp16", "fp8"}, default "fp64"
+    precision : {"fp64", "fp32", "bf16", "fp16", "fp8", "fp8_w8a8", "fp4"}, default "fp64"
         The engine's numerics.
     selection_noise : float, default 0.0
         Standard deviation of the per-layer, per-expert bias added to the router scores for the

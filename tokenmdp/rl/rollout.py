@@ -1,10 +1,18 @@
 """The rollout engine: the behaviour policy mu, in its own numerics, with a KV cache.
 
 :class:`RolloutEngine` holds its own copy of the trainer's weights in its own precision (fp32,
-bf16, fp16, or fp32 compute on fp8-rounded weights) and samples with a KV cache, so the
+bf16, fp16, or fp32 compute on fp8- or fp4-rounded weights, and fp8 activations;
+:mod:`~tokenmdp.rl.engine_numerics`) and samples with a KV cache, so the
 distribution it samples from, ``mu``, differs from the trainer's ``pi_old`` exactly as in
 production. It records ``log mu`` of every sampled token and its routing trace
 (``ENGINE_ROUTING``), which :mod:`~tokenmdp.rl.mismatch` replays under R3.
+
+Beyond its precision (the numeric mode), an engine can perturb its next-token logits by an
+engine mismatch mode (:class:`~tokenmdp.exact.EngineMismatch`, ``RolloutEngine(mismatch=...)``):
+``"fixed"``, ``"heavy"`` and ``"growing"`` are functions of the context's tokens (keyed as
+:mod:`tokenmdp.exact.world.engine_mismatch` keys them; the same in every call and batch layout,
+so ``mu`` is a fixed policy), ``"fresh"`` draws new noise at every step (``logit_noise``, what
+engines do not do).
 
 The engine never routes the last sampled token (nothing is generated after it): its trace holds
 ``-1`` there, and a replaying forward pass routes that token by itself. The output at that token
@@ -22,34 +30,18 @@ from collections.abc import Sequence
 import torch
 
 from tokenmdp.batch import TokenBatch
+from tokenmdp.exact.world.engine_mismatch import (
+    EngineMismatch,
+    check_mismatch,
+    key_start,
+    key_step,
+    perturb_logits,
+)
 from tokenmdp.model import KVCache, MoETransformer
+from tokenmdp.rl.engine_numerics import PRECISIONS, engine_weight, round_activations
 from tokenmdp.rl.mismatch import ENGINE_ROUTING
 
-__all__ = ["PRECISIONS", "RolloutEngine", "simulate_fp8"]
-
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-              "fp8": torch.float32}
-"""Engine precision -> compute dtype (``fp8``: fp32 compute on weights rounded to fp8 e4m3)."""
-
-FP8_E4M3_MAX = 448.0
-
-
-def simulate_fp8(w: torch.Tensor) -> torch.Tensor:
-    """Round ``w`` to float8 e4m3 with one per-tensor scale (``absmax -> 448``), back in its dtype.
-
-    Parameters
-    ----------
-    w : Tensor
-        A weight tensor (any floating dtype; an all-zero tensor stays zero).
-
-    Returns
-    -------
-    Tensor
-        ``w`` rounded to the fp8 e4m3 grid scaled by ``absmax(w) / 448``, same shape and dtype.
-    """
-    scale = w.abs().max().clamp(min=torch.finfo(torch.float32).tiny) / FP8_E4M3_MAX
-    return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
+__all__ = ["RolloutEngine"]
 
 
 class RolloutEngine:
@@ -59,8 +51,9 @@ class RolloutEngine:
     ----------
     model : MoETransformer
         The trainer's model; its weights are copied (:meth:`sync`), never shared.
-    precision : {"fp32", "bf16", "fp16", "fp8"}
-        Numerics of the engine's weights and compute (:data:`PRECISIONS`).
+    precision : {"fp32", "bf16", "fp16", "fp8", "fp8_w8a8", "fp4"}
+        Numerics of the engine's weights and compute (the numeric mode;
+        :data:`~tokenmdp.rl.engine_numerics.PRECISIONS`).
     selection_noise : float
         Standard deviation of a per-layer, per-expert bias added to the router scores for the
         top-K *selection* only (gates unchanged): an engine that differs only in which experts it
@@ -70,19 +63,26 @@ class RolloutEngine:
     device : optional
         Device of the engine (default: the model's).
     logit_noise : float, default 0.0
-        The engine-mismatch dial beyond the precision: standard deviation ``sigma`` of Gaussian
-        noise added to every next-token logit before sampling (and before the temperature),
-        drawn afresh at every decoding step from the sampling generator. It stands for kernels
-        that are not batch-invariant: the same prefix gets other logits in another call. For
-        small ``sigma`` the expected ``KL(mu || pi_old)`` of a token is about
-        ``sigma^2 (1 - sum_v pi_v^2) / (2 T^2)`` at temperature ``T`` (second order in the
-        perturbation; 0 where ``pi`` is one-hot). 0 (the default) draws nothing and samples
-        exactly as without it.
+        The older spelling of ``mismatch=EngineMismatch("fresh", logit_noise)``: standard
+        deviation ``sigma`` of Gaussian noise added to every next-token logit before sampling
+        (and before the temperature), drawn afresh at every decoding step from the sampling
+        generator, so the same prefix gets other logits in another call — which real engines do
+        not do (their logits are a function of the prefix). For small ``sigma`` the expected
+        ``KL(mu || pi_old)`` of a token is about ``sigma^2 (1 - sum_v pi_v^2) / (2 T^2)`` at
+        temperature ``T`` (second order in the perturbation; 0 where ``pi`` is one-hot). 0 (the
+        default) draws nothing and samples exactly as without it.
+    mismatch : EngineMismatch, optional
+        The engine mismatch mode (:mod:`tokenmdp.exact.world.engine_mismatch`): ``"fixed"``,
+        ``"heavy"`` or ``"growing"``, a function of the context's tokens (prompt and response so
+        far) and the mode's seed, or ``"fresh"`` (as ``logit_noise``). Added to the logits in
+        float32 after the engine's own numerics, before the temperature. Give it or
+        ``logit_noise``, not both.
     """
 
     def __init__(self, model: MoETransformer, *, precision: str = "fp32",
                  selection_noise: float = 0.0, generator: torch.Generator | None = None,
-                 device=None, logit_noise: float = 0.0) -> None:
+                 device=None, logit_noise: float = 0.0,
+                 mismatch: EngineMismatch | None = None) -> None:
         if not isinstance(model, MoETransformer):
             raise TypeError(f"model: expected a MoETransformer, got {type(model).__name__}")
         if precision not in PRECISIONS:
@@ -95,13 +95,21 @@ class RolloutEngine:
         if isinstance(logit_noise, bool) or not isinstance(logit_noise, (int, float)) \
                 or not 0 <= logit_noise < float("inf"):
             raise ValueError(f"logit_noise: expected a finite number >= 0, got {logit_noise!r}")
-        self.logit_noise = float(logit_noise)
+        mismatch = check_mismatch(mismatch)
+        if logit_noise > 0 and mismatch.active:
+            raise ValueError("logit_noise, mismatch: give one of them (logit_noise=sigma is "
+                             "mismatch=EngineMismatch('fresh', sigma))")
+        self.mismatch = EngineMismatch("fresh", float(logit_noise)) if logit_noise > 0 \
+            else mismatch
+        self.logit_noise = self.mismatch.scale if self.mismatch.mode == "fresh" else 0.0
         self.precision = precision
         self.dtype = PRECISIONS[precision]
         self.device = model.embed.device if device is None else torch.device(device)
         self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        if precision == "fp8_w8a8":
+            round_activations(self.model)
         if selection_noise > 0:
             for block in self.model.blocks:
                 if hasattr(block.mlp, "selection_bias"):
@@ -129,7 +137,7 @@ class RolloutEngine:
         source = dict(model.named_parameters())
         for name, p in self.model.named_parameters():
             w = source[name].detach().to(device=self.device, dtype=self.dtype)
-            p.copy_(simulate_fp8(w) if self.precision == "fp8" and w.dim() >= 2 else w)
+            p.copy_(engine_weight(w, self.precision))
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -150,10 +158,10 @@ class RolloutEngine:
             The token that ends a response (kept as its last token).
         generator : torch.Generator
             The only source of randomness (on the engine's device): the samples and, with
-            ``logit_noise > 0``, the noise.
+            ``"fresh"`` mismatch, the noise.
         temperature : float
             Logits are divided by it; ``behavior_logprob`` is the log-prob under that tempered
-            (and, with ``logit_noise``, perturbed) distribution: the one actually sampled from.
+            (and, with a mismatch mode, perturbed) distribution: the one actually sampled from.
         use_cache : bool
             Decode with a KV cache (default) or recompute the whole prefix at every step.
         groups, prompt_index : optional, ``[S]``
@@ -193,11 +201,16 @@ class RolloutEngine:
                                         cache_cols_RC=cols_T[:P].expand(B, P), aux=False)
         routing_BTLK[:, :P] = torch.where(valid_BP[..., None, None], out.experts_RCLK, -1)
         next_logits_BV = out.logits_RCV[rows_B, plen_B - 1]
+        keys_B = None   # the deterministic mismatch modes' key of each row's context
+        if self.mismatch.deterministic:
+            keys_B = key_start(self.mismatch.seed, B, device=dev)
+            for c in range(P):
+                keys_B = torch.where(c < plen_B, key_step(keys_B, tokens_BT[:, c]), keys_B)
 
         for step in range(max_new_tokens):
-            if self.logit_noise > 0:  # the mismatch dial: fresh noise per call and step
-                next_logits_BV = next_logits_BV.float() + self.logit_noise * torch.randn(
-                    next_logits_BV.shape, generator=generator, device=dev)
+            # the engine mismatch mode: fresh noise per step, or a function of the context
+            next_logits_BV = perturb_logits(next_logits_BV, self.mismatch, keys_N=keys_B,
+                                            generator=generator)
             lp_BV = torch.log_softmax(next_logits_BV.float() / temperature, dim=-1)
             y_B = torch.multinomial(lp_BV.exp(), 1, generator=generator).squeeze(1)
             # written with torch.where, not boolean indexing: the writes need no host sync (a
@@ -209,6 +222,8 @@ class RolloutEngine:
                                                 logp_BT[rows_B, at_B])
             length_B = length_B + active_B.long()
             done_B = done_B | (active_B & (y_B == eos_id))
+            if keys_B is not None:
+                keys_B = key_step(keys_B, y_B)
             if bool(done_B.all()) or step == max_new_tokens - 1:
                 break  # the last sampled tokens are never fed, hence never routed
             # Feed the newest token of every row (finished rows too; their results are unused).
@@ -232,6 +247,55 @@ class RolloutEngine:
                                                       routing_BTLK[rows_B, col_B])
         return self._to_batch(tokens_BT, plen_B, length_B, logp_BT, routing_BTLK, groups,
                               prompt_index, dtype)
+
+    @torch.no_grad()
+    def next_token_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0,
+                            generator: torch.Generator | None = None) -> torch.Tensor:
+        """``log mu(. | context)`` ``[R, C, V]`` at every response token of ``batch``: the
+        distribution the engine samples each token from, by one forward pass over the whole
+        batch (any layout; 0 elsewhere).
+
+        For the deterministic mismatch modes this is ``mu`` itself (the distributions
+        :meth:`generate` sampled from, up to the engine's non-batch-invariant rounding; its own
+        routing). For ``"fresh"`` each row is one new draw of the noise, distributed as the
+        draw :meth:`generate` made (``generator`` required).
+
+        Parameters
+        ----------
+        batch : TokenBatch
+            Any layout; every loss token needs a prompt token before it.
+        temperature : float, default 1.0
+            The sampling temperature.
+        generator : torch.Generator, optional
+            Source of ``"fresh"``'s noise.
+
+        Returns
+        -------
+        Tensor ``[R, C, V]``
+            Float32 log-probs at the response tokens, 0 elsewhere.
+        """
+        if not isinstance(batch, TokenBatch):
+            raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not temperature > 0:
+            raise ValueError(f"temperature: expected a number > 0, got {temperature!r}")
+        batch = batch.to(self.device)
+        lp_RCV = self.model.next_token_logprobs(batch).float()   # 0 off the response tokens
+        R, C, V = lp_RCV.shape
+        keys_RC = None
+        if self.mismatch.deterministic:   # each token's context: its sequence's tokens before it
+            keys_RC = torch.empty(R, C, dtype=torch.long, device=self.device)
+            start_R = key_start(self.mismatch.seed, R, device=self.device)
+            h_R = start_R
+            for c in range(C):
+                h_R = torch.where(batch.position[:, c] == 0, start_R, h_R)
+                keys_RC[:, c] = h_R
+                h_R = key_step(h_R, batch.tokens[:, c])
+            keys_RC = keys_RC.reshape(-1)
+        out = perturb_logits(lp_RCV.reshape(R * C, V), self.mismatch, keys_N=keys_RC,
+                             generator=generator).reshape(R, C, V)
+        out = torch.log_softmax(out.float() / temperature, dim=-1)
+        return out * batch.response_mask[..., None]
 
     def _to_batch(self, tokens_BT, plen_B, length_B, logp_BT, routing_BTLK, groups, prompt_index,
                   dtype) -> TokenBatch:

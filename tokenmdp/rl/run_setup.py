@@ -1,10 +1,13 @@
-"""What a training run is built from: its model, its estimator and its ``--init`` checkpoint.
+"""What a training run is built from: its model, its engine, its estimator and its ``--init``
+checkpoint.
 
 :func:`build_model` (the MoE transformer of a :class:`~tokenmdp.rl.config.TrainConfig`, seeded
 by ``cfg.seed``; :func:`model_config` its :class:`~tokenmdp.model.ModelConfig`),
+:func:`build_engine` (its rollout engine: precision and engine mismatch mode),
 :func:`build_estimator` (the registry estimator with ``kl_coef`` applied, or
-:data:`SFT_ESTIMATOR` in SFT mode) and :func:`load_init` (the ``init`` checkpoint, checked to
-hold a model of the configured shape). The trainer's run state
+:data:`SFT_ESTIMATOR` in SFT mode), :func:`load_init` (the ``init`` checkpoint, checked to
+hold a model of the configured shape) and :func:`carry_optimizer_state` (its AdamW moments, for
+``optimizer_state="carry"``). The trainer's run state
 (:mod:`tokenmdp.rl.run_state`) builds itself from these; every name here is re-exported by
 :mod:`tokenmdp.rl.trainer`.
 """
@@ -17,12 +20,15 @@ import torch
 
 from tokenmdp import estimators
 from tokenmdp.estimators import Aggregation, Estimator, KLPenalty, Reinforce, RewardAsAdvantage
+from tokenmdp.exact.world.engine_mismatch import EngineMismatch
 from tokenmdp.model import ModelConfig, MoETransformer
 from tokenmdp.rl.checkpoint import check_model_config, load_checkpoint
 from tokenmdp.rl.config import DTYPES, TrainConfig
+from tokenmdp.rl.rollout import RolloutEngine
 from tokenmdp.rl.tasks import get_task
 
-__all__ = ["SFT_ESTIMATOR", "build_estimator", "build_model", "load_init", "model_config"]
+__all__ = ["SFT_ESTIMATOR", "build_engine", "build_estimator", "build_model",
+           "carry_optimizer_state", "load_init", "model_config"]
 
 SFT_ESTIMATOR = Estimator(name="sft", surrogate=Reinforce(), advantage=RewardAsAdvantage(),
                           aggregation=Aggregation.TOKEN_MEAN)
@@ -47,6 +53,27 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)
               if hasattr(cfg, f.name)}
     return ModelConfig(vocab_size=vocab_size, **shared)
+
+
+def build_engine(cfg: TrainConfig, model: MoETransformer) -> RolloutEngine:
+    """The rollout engine of ``cfg``: ``rollout_precision`` (the numeric mode) and the engine
+    mismatch mode (``rollout_mismatch*``, or the fresh ``rollout_logit_noise``).
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        The run's configuration (checked).
+    model : MoETransformer
+        The trainer's model (copied into the engine, on its device).
+
+    Returns
+    -------
+    RolloutEngine
+    """
+    mismatch = EngineMismatch(cfg.rollout_mismatch, cfg.rollout_mismatch_scale,
+                              cfg.rollout_mismatch_fraction, cfg.rollout_mismatch_seed)
+    return RolloutEngine(model, precision=cfg.rollout_precision,
+                         logit_noise=cfg.rollout_logit_noise, mismatch=mismatch)
 
 
 def load_init(cfg: TrainConfig, device: torch.device | str = "cpu") -> dict:
@@ -121,3 +148,43 @@ def build_estimator(cfg: TrainConfig) -> Estimator:
         est = est.replace(kl=KLPenalty(coef=cfg.kl_coef, in_reward=False) if cfg.kl_coef > 0
                           else None)
     return est
+
+
+def carry_optimizer_state(optimizer: torch.optim.Optimizer, init_state: dict, *,
+                          path: str) -> None:
+    """Put the per-parameter state of ``init_state``'s optimizer (AdamW's ``exp_avg``,
+    ``exp_avg_sq`` and ``step``, e.g. the SFT run's) into ``optimizer``, keeping ``optimizer``'s
+    own hyperparameters (lr, betas, weight decay): ``optimizer_state="carry"``.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+        The run's fresh optimizer, over the parameters of the model loaded from ``init_state``.
+    init_state : dict
+        The ``init`` checkpoint (:func:`load_init`).
+    path : str
+        The checkpoint's path (named in errors).
+
+    Raises
+    ------
+    ValueError
+        ``optimizer_state``: the checkpoint holds no optimizer state, or one whose parameters
+        (count or shapes) are not this model's.
+    """
+    saved = init_state.get("optimizer")
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        raise ValueError(f"optimizer_state: carry needs the optimizer state of the init "
+                         f"checkpoint; {path} holds none (use reset)")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in saved["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            raise ValueError(f"optimizer_state: {path}: optimizer state for parameter {index!r}, "
+                             f"this model has {len(params)}")
+        for key, value in entry.items():
+            if (isinstance(value, torch.Tensor) and value.dim() > 0
+                    and value.shape != params[index].shape):
+                raise ValueError(f"optimizer_state: {path}: optimizer entry '{key}' of parameter "
+                                 f"{index} has shape {tuple(value.shape)}, the parameter "
+                                 f"{tuple(params[index].shape)}")
+    target = optimizer.state_dict()          # this run's hyperparameters, the saved moments
+    optimizer.load_state_dict({"state": saved["state"], "param_groups": target["param_groups"]})

@@ -9,9 +9,10 @@ methods are the parts of one step of :func:`tokenmdp.rl.trainer.train`:
   rank's RNG states) and resuming from it;
 * ``_Run.rollout`` (RL: sample, score, pack, ``old_logprob`` pass, step statistics) or
   ``_Run.demonstrations`` (SFT: the task's answers);
-* ``_Run.updates`` — ``prepare`` once on the step, then ``minibatches`` optimizer updates
-  (:mod:`tokenmdp.rl.update`), skipping non-finite ones (:class:`NonFiniteError` after
-  ``max_nonfinite`` in a row or on non-finite weights);
+* ``_Run.updates`` — with ``zero_variance_groups="skip"`` the groups of equal rewards dropped
+  first (and no update at all when none is left), ``prepare`` once on the step, then
+  ``minibatches`` optimizer updates (:mod:`tokenmdp.rl.update`), skipping non-finite ones
+  (:class:`NonFiniteError` after ``max_nonfinite`` in a row or on non-finite weights);
 * ``_Run.evaluate`` — the held-out accuracy.
 
 :class:`NonFiniteError` is re-exported by :mod:`tokenmdp.rl.trainer`.
@@ -54,8 +55,7 @@ from tokenmdp.rl.mismatch import (
     routing_mismatch_counts,
     training_inference_kl,
 )
-from tokenmdp.rl.rollout import RolloutEngine
-from tokenmdp.rl.run_setup import build_estimator, build_model, load_init
+from tokenmdp.rl.run_setup import build_engine, build_estimator, build_model, carry_optimizer_state, load_init
 from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
 from tokenmdp.rl.update import (
     TrainingPass,
@@ -64,6 +64,7 @@ from tokenmdp.rl.update import (
     minibatch_loss,
     prepare_minibatch,
     split_minibatches,
+    without_zero_variance_groups,
 )
 
 __all__ = ["INTERRUPTED_NOW", "INTERRUPTED_STATUS", "NonFiniteError", "RunInterrupted"]
@@ -121,8 +122,9 @@ class _Run:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay)
-        self.engine = RolloutEngine(self.model, precision=cfg.rollout_precision,
-                                    logit_noise=cfg.rollout_logit_noise)
+        if cfg.init is not None and cfg.optimizer_state == "carry":  # else AdamW starts at zero
+            carry_optimizer_state(self.optimizer, state, path=cfg.init)
+        self.engine = build_engine(cfg, self.model)
         self.sample_gen = torch.Generator(device=self.device).manual_seed(cfg.seed + self.rank)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * self.rank)
         self.rng = np.random.default_rng(cfg.seed)  # the same on every rank: the step's prompts
@@ -199,6 +201,8 @@ class _Run:
         reward_S = torch.tensor([self.task.reward(ex, r) for ex, r in zip(repeated, responses)],
                                 dtype=self.dtype, device=batch.device)
         correct = [self.task.is_correct(ex, r) for ex, r in zip(repeated, responses)]
+        reward_PG = reward_S.double().view(len(examples), cfg.group_size)  # groups contiguous
+        zero_std_P = reward_PG.amax(dim=1) == reward_PG.amin(dim=1)
         batch = pack_first_fit_decreasing(batch.replace(reward=reward_S), self.capacity)
         # log π_old, the routing used and π_old's entropy at the sampled states: one pass
         batch, ent_RC = compute_old_logprobs(self.model, batch, self.replay, entropy=True)
@@ -218,7 +222,9 @@ class _Run:
                     entropy=float(ent_RC[mask].double().sum()),
                     kl_k1=training_inference_kl(batch, kind="k1") * tokens,
                     kl_k3=training_inference_kl(batch, kind="k3") * tokens,
-                    mismatch=mismatch, routed=routed,
+                    mismatch=mismatch, routed=routed, groups=len(examples),
+                    zero_std=float(zero_std_P.sum()),
+                    all_zero=float((zero_std_P & (reward_PG[:, 0] == 0)).sum()),
                     # ESS and χ² of π_old/μ; per sequence too when the correction acts per sequence
                     **batch_weight_sums(batch, sequence=self._sequence_correction()))
         g = dict(zip(sums, all_reduce_floats(list(sums.values()), device=self.device)))
@@ -230,6 +236,9 @@ class _Run:
                  "entropy": g["entropy"] / t, "train_infer_kl_k1": g["kl_k1"] / t,
                  "train_infer_kl_k3": g["kl_k3"] / t,
                  "routing_mismatch": g["mismatch"] / g["routed"] if g["routed"] else 0.0,
+                 # groups of equal rewards (zero advantage under a group baseline); TRL's name
+                 "frac_reward_zero_std": g["zero_std"] / g["groups"],
+                 "frac_reward_all_zero": g["all_zero"] / g["groups"],
                  **diagnostics_from_sums(g)}
         return batch, stats
 
@@ -253,8 +262,20 @@ class _Run:
     # ------------------------------------------------------------------ updates
     def updates(self, batch: TokenBatch) -> dict[str, float]:
         """Prepare the step (advantages of whole groups; this rank's share), then
-        ``minibatches`` optimizer updates. Returns the step's update metrics (over all ranks)."""
+        ``minibatches`` optimizer updates. Returns the step's update metrics (over all ranks).
+        With ``zero_variance_groups="skip"`` the groups of equal rewards leave the step first; a
+        step left with none on any rank takes no update (``optimizer_steps`` 0), one left with
+        fewer sequences than ``minibatches`` (on its fullest rank) takes that many."""
         cfg, params = self.cfg, list(self.model.parameters())
+        parts_n = cfg.minibatches
+        if cfg.zero_variance_groups == "skip":
+            batch = without_zero_variance_groups(batch, self.capacity)
+            (most,) = all_reduce_floats([float(batch.num_sequences)], op="max",
+                                        device=self.device)
+            parts_n = min(parts_n, int(most))
+            if parts_n == 0:      # every group of the step had equal rewards: no update
+                return {"loss": None, "grad_norm": None, "skipped_updates": 0,
+                        "optimizer_steps": 0}
         batch = estimators.prepare(batch, self.est, max_len=cfg.max_new_tokens,
                                    advantage_S=self._step_advantages(batch))
         blame = {}
@@ -262,7 +283,7 @@ class _Run:
             sums = blame_sums(batch, self.est)
             blame = blame_stats(dict(zip(sums, all_reduce_floats(list(sums.values()),
                                                                  device=self.device))))
-        parts = split_minibatches(batch, cfg.minibatches, generator=self.shuffle_gen,
+        parts = split_minibatches(batch, parts_n, generator=self.shuffle_gen,
                                   capacity=self.capacity)
         scale = data_parallel_loss_scale()
         losses, norms, metrics, skipped = [], [], [], 0
@@ -272,6 +293,9 @@ class _Run:
             loss, m = minibatch_loss(self.trained, part, self.est, self.replay,
                                      load_balancing_coef=cfg.load_balancing_coef,
                                      world_size=self.world)
+            if part.num_sequences == 0:  # a rank whose groups were all skipped: a zero
+                # gradient for every parameter, so that DDP's all-reduce still runs
+                loss = loss + 0.0 * sum(p.sum() for p in params).to(loss.dtype)
             # every rank skips together (DDP's backward is a collective); the rank losses sum
             # to the mini-batch's loss (weights from the global counts)
             finite, global_loss = all_reduce_floats(
@@ -302,7 +326,7 @@ class _Run:
             norms.append(float(norm))
             metrics.append(m)
         out = {"loss": _mean(losses), "grad_norm": _mean(norms), "skipped_updates": skipped,
-               **blame}
+               "optimizer_steps": len(losses), **blame}
         if not metrics:
             return out
         # token-weighted over the updates and the ranks; extremes over both

@@ -23,6 +23,12 @@ SFT (``mode="sft"``) is the same loop with demonstrations (the task's correct an
 of steps 1-4, ``A = 1`` and a REINFORCE surrogate with token-mean aggregation: the loss is the
 mean NLL of the answer tokens.
 
+RL from an SFT checkpoint (``init``) need not start cold (the guide *An RL recipe that does not
+start cold*): ``warmup_steps`` warms the learning rate up in RL as in SFT, ``optimizer_state``
+resets AdamW's moments or carries the checkpoint's, and ``zero_variance_groups`` keeps or skips the
+groups whose rewards are all equal (zero advantage), whose fraction every step logs
+(``frac_reward_zero_std``); a step whose every group is skipped takes no optimizer update.
+
 An update with a non-finite loss or gradient is skipped with a logged warning; after
 ``max_nonfinite`` in a row the run stops (:class:`NonFiniteError`). So does a run whose weights
 become non-finite after an update, or whose sampling distributions do (a diverging run: it

@@ -5,7 +5,8 @@ shuffled into ``minibatches`` parts (:func:`split_minibatches`); each part gets 
 of its own counts, summed over data-parallel ranks (:func:`prepare_minibatch`), and one optimizer
 update on :func:`minibatch_loss`: ``log pi_theta`` under the replayed routing, the estimator's
 loss and, optionally, the MoE load-balancing term. :class:`TrainingPass` is the module DDP wraps.
-:func:`tokenmdp.rl.trainer.train` runs the loop around these.
+:func:`without_zero_variance_groups` drops a step's groups of equal rewards first when the trainer
+skips them. :func:`tokenmdp.rl.trainer.train` runs the loop around these.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
 from tokenmdp.rl.mismatch import RoutingReplay, replay_routing
 
 __all__ = ["LOW_PROBABILITY", "TrainingPass", "blame_stats", "blame_sums", "minibatch_loss",
-           "prepare_minibatch", "split_minibatches"]
+           "prepare_minibatch", "split_minibatches", "without_zero_variance_groups"]
 
 
 class TrainingPass(torch.nn.Module):
@@ -172,6 +173,37 @@ def split_minibatches(batch: TokenBatch, n: int, *, generator: torch.Generator,
     order = torch.randperm(batch.num_sequences, generator=generator)
     return [pack_first_fit_decreasing(select_sequences(batch, part.sort().values.to(batch.device)),
                                       capacity) for part in order.tensor_split(n)]
+
+
+def without_zero_variance_groups(batch: TokenBatch, capacity: int) -> TokenBatch:
+    """``batch`` without the groups whose rewards are all equal (all wrong or all right: zero
+    advantage under a group baseline), packed again; ``batch`` itself when there is none. The
+    trainer's ``zero_variance_groups="skip"``, before ``prepare`` (so the advantages, counts and
+    normalizers are those of the groups left, as after verl's ``filter_groups``).
+
+    Parameters
+    ----------
+    batch : TokenBatch
+        The step's batch (``reward`` and ``group`` per sequence).
+    capacity : int
+        Row capacity of the packing (at least the longest sequence).
+
+    Returns
+    -------
+    TokenBatch
+        The sequences of the groups whose rewards differ, in their order; possibly none.
+    """
+    reward_S = batch.reward.double()
+    _, group_of_S = torch.unique(batch.group, return_inverse=True)
+    n = int(group_of_S.max()) + 1 if batch.num_sequences else 0
+    high = torch.full((n,), -math.inf, dtype=torch.float64, device=batch.device)
+    low = torch.full((n,), math.inf, dtype=torch.float64, device=batch.device)
+    high.scatter_reduce_(0, group_of_S, reward_S, reduce="amax")
+    low.scatter_reduce_(0, group_of_S, reward_S, reduce="amin")
+    index_S = torch.nonzero((high > low)[group_of_S]).flatten()
+    if index_S.numel() == batch.num_sequences:
+        return batch
+    return pack_first_fit_decreasing(select_sequences(batch, index_S), capacity)
 
 
 LOW_PROBABILITY = 0.5

@@ -256,6 +256,18 @@ _variant("minirl", "len_norm", "length normalization (the paper's '+length norma
          "ablation: sequence-mean of token means)", "--",
          formula="-1/S Σ_i 1/|y_i| Σ_t M_t sg(min(π_old/μ, 5) r_t) (R_i - mean_g) log π",
          aggregation=Aggregation.SEQUENCE_MEAN_TOKEN_MEAN)
+# C = 5 is MiniRL's own cap of the token weight, so the entry differs from minirl only in where
+# the weight is formed; docs/concepts/long_responses.md has the exact world's case for it
+_variant("minirl", "seq_tis", "sequence-level truncated IS, C = 5: every token of a response "
+         "weighted by min(Π_t π_old/μ_t, 5) instead of its own min(π_old/μ, 5) (TIS, Yao et al. "
+         "2025, at the sequence level; the cap is MiniRL's)",
+         "its correction is verl algorithm.rollout_correction.rollout_is=sequence, "
+         "rollout_is_threshold=5 and TRL vllm_importance_sampling_mode='sequence_truncate', "
+         "vllm_importance_sampling_clip_max=5, each on that framework's own surrogate (no peer "
+         "has MiniRL's); ctpo weights its tokens the same way",
+         formula="-1/S Σ_i Σ_t M_t sg(min(W_i, 5) r_t) (R_i - mean_g) log π, W_i = Π_s "
+                 "π_old/μ (y_is) (log space)",
+         correction=TruncatedIS(cap=5.0, level=Level.SEQUENCE))
 
 
 # ---------------------------------------------------------------------- the peers' defaults

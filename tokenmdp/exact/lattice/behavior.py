@@ -3,7 +3,8 @@
 As :mod:`tokenmdp.exact.world.behavior` builds them for the enumerable MDP: :func:`stale_copy`
 (``π_old``: the parameter moved back along a direction or by exact gradient steps; a shared
 policy's copy is shared) and :func:`inference_copy` (``μ``: the same logits rounded to a
-low-precision grid, perturbed by a fixed noise, tempered; tabular). Both return
+low-precision grid, perturbed by a fixed noise or an engine mismatch mode keyed by the node,
+tempered; tabular). Both return
 :class:`~tokenmdp.exact.lattice.LatticePolicy` objects.
 """
 
@@ -14,7 +15,13 @@ import torch
 from tokenmdp.exact.lattice.ground_truth import gradient
 from tokenmdp.exact.lattice.mdp import LatticeMDP
 from tokenmdp.exact.lattice.policy import LatticePolicy, check_lattice_policy
-from tokenmdp.exact.world.behavior import round_logits
+from tokenmdp.exact.world.behavior import check_fixed_mismatch, round_logits
+from tokenmdp.exact.world.engine_mismatch import (
+    EngineMismatch,
+    apply_direction,
+    context_keys,
+    mismatch_direction,
+)
 from tokenmdp.exact.world.policies import check_number
 
 __all__ = ["stale_copy", "inference_copy"]
@@ -79,9 +86,10 @@ def stale_copy(mdp: LatticeMDP, policy: LatticePolicy, *, direction: torch.Tenso
 
 def inference_copy(policy: LatticePolicy, *, rounding: str | int | None = None,
                    noise_std: float = 0.0, temperature: float = 1.0,
-                   generator: torch.Generator | None = None) -> LatticePolicy:
+                   generator: torch.Generator | None = None,
+                   mismatch: EngineMismatch | None = None) -> LatticePolicy:
     """``μ``: the same logits through an engine's numerics, frozen (as
-    :class:`tokenmdp.exact.InferencePolicy`): ``round(logits + noise) / temperature``.
+    :class:`tokenmdp.exact.InferencePolicy`): ``(round(logits + noise) + offset) / temperature``.
 
     Parameters
     ----------
@@ -89,13 +97,20 @@ def inference_copy(policy: LatticePolicy, *, rounding: str | int | None = None,
         The policy whose logits are copied (a shared policy's expanded ``[T, K, V]`` table: the
         engine's numerics act per node, so ``μ`` is tabular).
     rounding : {None, "bf16", "fp16", "fp8_e4m3"} or int
-        See :func:`tokenmdp.exact.round_logits`.
+        The numeric mode; see :func:`tokenmdp.exact.round_logits`.
     noise_std : float, default 0
-        Standard deviation of a fixed Gaussian logit perturbation (drawn once per entry).
+        Standard deviation of a fixed Gaussian logit perturbation (drawn once per entry from
+        ``generator``: the fixed mode, drawn rather than keyed; give it or ``mismatch``).
     temperature : float, default 1
         Sampling temperature ``> 0``.
     generator : torch.Generator, optional
         Needed when ``noise_std > 0``.
+    mismatch : EngineMismatch, optional
+        An engine mismatch mode, ``"fixed"``, ``"heavy"`` or ``"growing"``
+        (:mod:`tokenmdp.exact.world.engine_mismatch`), added after the rounding; a node
+        ``(t, z)`` is its state, keyed by the two numbers ``t, z`` as a context of two tokens
+        (the lattice has no prefixes: every prefix that reaches the node shares its
+        perturbation). ``"fresh"`` is refused (no fixed policy).
 
     Returns
     -------
@@ -106,11 +121,21 @@ def inference_copy(policy: LatticePolicy, *, rounding: str | int | None = None,
         raise TypeError(f"policy: expected a LatticePolicy, got {type(policy).__name__}")
     noise_std = check_number("noise_std", noise_std)
     temperature = check_number("temperature", temperature, strict=True)
+    mismatch = check_fixed_mismatch(mismatch)
+    if noise_std > 0 and mismatch.active:
+        raise ValueError("noise_std, mismatch: give one of them (noise_std is the fixed mode "
+                         "drawn from a generator)")
     logits = policy.logits.detach()
     if noise_std > 0:
         if not isinstance(generator, torch.Generator):
             raise TypeError("generator: a torch.Generator is required when noise_std > 0")
         logits = logits + torch.randn(logits.shape, generator=generator,
                                       dtype=torch.float64) * noise_std
-    mu = LatticePolicy(policy.mdp, logits=round_logits(logits, rounding) / temperature)
+    logits = round_logits(logits, rounding)
+    if mismatch.active:
+        T, K, V = logits.shape
+        nodes = torch.cartesian_prod(torch.arange(T), torch.arange(K))   # (t, z), row-major
+        direction = mismatch_direction(context_keys(nodes, mismatch.seed), V, mismatch)
+        logits = apply_direction(logits, direction.reshape(T, K, V), mismatch)
+    mu = LatticePolicy(policy.mdp, logits=logits / temperature)
     return mu.requires_grad_(False)

@@ -7,7 +7,7 @@ Floors, top to bottom::
     _tree_objective, sampling
     policies
     mdp, rewards
-    _enumeration, _hashing, budget
+    _enumeration, _hashing, budget, engine_mismatch
 
 * :mod:`~tokenmdp.exact.world.budget` — the memory budget: oversized worlds refused before
   allocating;
@@ -19,6 +19,9 @@ Floors, top to bottom::
 * :mod:`~tokenmdp.exact.world.sampling` — Monte Carlo draws of responses;
 * :mod:`~tokenmdp.exact.world.ground_truth` — ``J``, ``∇J`` (by one pass down the prefix tree,
   ``_tree_objective``), sequence probabilities, V/Q/A, KL, entropy, ``L_μ(π)``;
+* :mod:`~tokenmdp.exact.world.engine_mismatch` — the engine mismatch modes (fresh, fixed,
+  heavy-tailed, growing): :class:`~tokenmdp.exact.EngineMismatch` and the per-(context, token)
+  perturbation the rollout engine and the copies below share;
 * :mod:`~tokenmdp.exact.world.behavior` — stale copies (``π_old``) and inference-engine copies
   (``μ``); :mod:`~tokenmdp.exact.world.chi_square` — exact χ² per token, response and group.
 
