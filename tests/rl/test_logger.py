@@ -203,3 +203,20 @@ def test_without_tensorboard_installed(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="tensorboard: True needs the tensorboard package"):
         RunLogger(tmp_path / "tb", total_steps=5, tensorboard=True)
     assert not (tmp_path / "tb").exists()
+
+
+def test_a_resumed_writer_sorts_after_the_first_even_in_the_same_second(tmp_path, monkeypatch):
+    """TensorBoard orders event files by name, whose last field is a process-wide counter: with
+    the counter at 9 and then 10 in the same second, the resumed file would sort first and its
+    purge be undone (seen when a test suite had opened ten writers before)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    with RunLogger(tmp_path, total_steps=3, tensorboard=True) as logger:
+        for k in range(3):
+            logger.log({"step": k, "reward": float(k)})
+    with RunLogger(tmp_path, total_steps=3, start_step=1, tensorboard=True) as logger:
+        for k in (1, 2):
+            logger.log({"step": k, "reward": 10.0 + k})
+    assert _scalars(tmp_path)["reward"] == [(0, 0.0), (1, 11.0), (2, 12.0)]

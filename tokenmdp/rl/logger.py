@@ -94,6 +94,21 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _after_the_last_event_file(out_dir) -> None:
+    """Wait, if need be, until the clock's second is past every event file's in ``out_dir``.
+
+    TensorBoard reads a folder's event files in the order of their names,
+    ``events.out.tfevents.<seconds>.<host>.<pid>.<uid>``: a writer opened in the same second as an
+    earlier one of the same process could sort before it (uid ``10`` before ``9`` as text), and
+    its purge of the steps after the checkpoint would then be read first and undone. A resumed
+    run is opened at most once a second in practice, so this waits only in tests.
+    """
+    stamps = [int(p.name.split(".")[3]) for p in out_dir.glob("events.out.tfevents.*")
+              if len(p.name.split(".")) > 3 and p.name.split(".")[3].isdigit()]
+    while stamps and int(time.time()) <= max(stamps):
+        time.sleep(0.05)
+
+
 def _summary_writer_class():
     """``torch.utils.tensorboard.SummaryWriter``, or None when ``tensorboard`` is not installed."""
     try:
@@ -178,6 +193,7 @@ class RunLogger:
         self._file = open(self.path, "a")
         try:  # purge_step: TensorBoard drops the events of earlier writers from this step on
             if writer_cls is not None:
+                _after_the_last_event_file(self.out_dir)
                 self._writer = writer_cls(log_dir=str(self.out_dir), purge_step=start_step)
         except BaseException:
             self.close()
