@@ -46,7 +46,7 @@ def test_shared_moments_equal_enumeration_on_both_routes(features, name):
             "old_logprob": old.logprobs().detach(), "ref_logprob": mu.logprobs().detach()}
     form, _ = L.lattice_form(est, 2, max_len=mdp.max_len)
     long = form_moments(mdp, logp, form, est, 2, L.gradient(mdp, pi), keep_cov=False,
-                        features=pi.features)
+                        policy=pi)
     assert long.covariance is None
     assert float((long.mean - want.mean).abs().max()) <= TOL
     assert abs(long.total_variance - want.total_variance) <= TOL

@@ -42,6 +42,7 @@ from tokenmdp.exact.lattice.coefficients import token_coefficients, token_table
 from tokenmdp.exact.lattice.laplace import laplace_rule
 from tokenmdp.exact.lattice.mdp import LatticeMDP
 from tokenmdp.exact.lattice.node_passes import node_tables, second_matrix
+from tokenmdp.exact.lattice.policy import LatticePolicy
 from tokenmdp.exact.lattice.second_moments import member_square
 from tokenmdp.exact.lattice.structure import LatticeForm
 from tokenmdp.exact.lattice.sweep import Powers, class_weights, sweep
@@ -117,15 +118,6 @@ def _counted(form: LatticeForm, logp, shape) -> torch.Tensor | None:
     return (log_w if cap is None else log_w.clamp(max=math.log(cap))).exp()
 
 
-def _project_rows(rows: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
-    """``Dᵀ`` applied to each row ``[R, T·K·V]`` of logit-space vectors: ``[R, F·V]``."""
-    if features is None:
-        return rows
-    T, K, F = features.shape
-    return torch.einsum("rtkv,tkf->rfv", rows.reshape(rows.shape[0], T, K, -1),
-                        features).reshape(rows.shape[0], -1)
-
-
 def _shared_squares(mdp, log_mu, pi, log_kappa, nu, s, power, basis, f2, features, needed):
     """``E[sym(⟨DᵀX_b, DᵀX_b'⟩) · tilt(s_n) f₂ 1{c}]`` ``[n, nb, nb, m]`` by the vector
     messages of :func:`~tokenmdp.exact.lattice.member_square` (polarized for ``b ≠ b'``),
@@ -152,7 +144,7 @@ def _shared_squares(mdp, log_mu, pi, log_kappa, nu, s, power, basis, f2, feature
 
 def form_moments(mdp: LatticeMDP, logp: dict, form: LatticeForm, estimator, G: int,
                  true_grad: torch.Tensor, *, keep_cov: bool,
-                 features: torch.Tensor | None = None) -> Moments:
+                 policy: LatticePolicy | None = None) -> Moments:
     """The exact :class:`~tokenmdp.exact.Moments` of an estimator of a known form.
 
     Parameters
@@ -171,27 +163,26 @@ def form_moments(mdp: LatticeMDP, logp: dict, form: LatticeForm, estimator, G: i
         ``∇J``.
     keep_cov : bool
         Compute the full covariance too (in the logits; a shared policy's is projected).
-    features : Tensor ``[T, K, F]``, optional
-        A shared policy's feature map (:class:`~tokenmdp.exact.lattice.SharedLatticePolicy`):
-        the moments are then in its parameter ``W``. With ``keep_cov`` the logit-space matrix
-        is computed and projected (``Dᵀ E[ĝĝᵀ] D``); otherwise the Gram matrices are taken of
-        the projected vectors and the same-member squares by vector messages (the kinds with
-        one measure per response: local and sequence).
+    policy : LatticePolicy, optional
+        ``π_θ``; a :class:`~tokenmdp.exact.lattice.SharedLatticePolicy` puts the moments in
+        its parameter ``W`` (:meth:`~tokenmdp.exact.lattice.LatticePolicy.project`). With
+        ``keep_cov`` the logit-space matrix is computed and projected (``Dᵀ E[ĝĝᵀ] D``);
+        otherwise the Gram matrices are those of the projected vectors and the same-member
+        squares come from vector messages (the kinds with one measure per response: local
+        and sequence).
 
     Returns
     -------
     Moments
         ``method="lattice"``.
     """
+    features = None if policy is None else policy.features
     if features is not None and keep_cov:
         tab = form_moments(mdp, logp, form, estimator, G, torch.zeros(math.prod(mdp.shape),
                            dtype=torch.float64), keep_cov=True)
-        V = mdp.vocab_size                                      # D[(t,z,v), (f,v')]
-        D = torch.einsum("qf,vw->qvfw", features.reshape(-1, features.shape[-1]),
-                         torch.eye(V, dtype=torch.float64)).reshape(tab.mean.numel(), -1)
-        outer = D.T @ (tab.covariance + torch.outer(tab.mean, tab.mean)) @ D
-        return _exact_moments(D.T @ tab.mean, outer.trace(), outer, true_grad, tab.num_draws,
-                              1.0, "lattice")
+        outer = policy.project_matrix(tab.covariance + torch.outer(tab.mean, tab.mean))
+        return _exact_moments(policy.project(tab.mean), outer.trace(), outer, true_grad,
+                              tab.num_draws, 1.0, "lattice")
     T, K, V = shape = mdp.shape
     m = mdp.reward_classes[0].numel()
     log_mu, pi = logp["behavior_logprob"], logp["policy"].exp()
@@ -240,7 +231,9 @@ def form_moments(mdp: LatticeMDP, logp: dict, form: LatticeForm, estimator, G: i
         eye = torch.eye(Q, dtype=torch.float64).reshape(Q, nb, m)
         res = sweep(mdp, log_mu, pi, log_kappa, nu, s, powers, basis, f1, f2,
                     weights=w1[:, None, None, None] * eye[None])
-        mbar = _project_rows(res.contracted.reshape(Q, -1), features)   # [(b, c), p]
+        mbar = res.contracted.reshape(Q, -1)                     # [(b, c), d]
+        if features is not None:                                 # [(b, c), p]
+            mbar = torch.stack([policy.project(row) for row in mbar])
         gram = mbar @ mbar.T
         squares = res.squares if features is None else _shared_squares(
             mdp, log_mu, pi, log_kappa, nu, s, powers.own2, basis, f2, features,
@@ -329,7 +322,8 @@ def form_moments(mdp: LatticeMDP, logp: dict, form: LatticeForm, estimator, G: i
     coef1, coefS = coef1.reshape(n, nb, A * m), coefS.reshape(n, nb, nb, A * m)
     res = sweep(mdp, log_mu, pi, log_kappa, nu, s, powers, basis, f1, f2,
                 weights=coef1[:, None], gram=True, keep_vectors=keep_cov, features=features)
-    mean = _project_rows(res.contracted[0].reshape(1, -1), features)[0]
+    mean = res.contracted[0].reshape(-1)
+    mean = mean if features is None else policy.project(mean)
     squares = res.squares if features is None else _shared_squares(
         mdp, log_mu, pi, log_kappa, nu, s, powers.own2, basis, f2, features, coefS != 0)
     second = float((coefP.reshape(n, Q, Q) * res.gram).sum() + (coefS * squares).sum())

@@ -158,7 +158,7 @@ def moments(mdp: LatticeMDP, policy: LatticePolicy, estimator: Estimator, *, gro
                                    num_samples=num_samples, generator=generator,
                                    features=features)
     return form_moments(mdp, logp, form, estimator, group_size, gradient(mdp, policy),
-                        keep_cov=math.prod(mdp.shape) <= MAX_COVARIANCE_DIM, features=features)
+                        keep_cov=math.prod(mdp.shape) <= MAX_COVARIANCE_DIM, policy=policy)
 
 
 def _max_path(mdp: LatticeMDP, table: torch.Tensor, *, prefixes: bool) -> float:
