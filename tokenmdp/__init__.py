@@ -10,13 +10,14 @@ Floors, top to bottom::
     reports, rl, testing, interop
     exact, model
     estimators
-    packing, distributed
+    packing, distributed, trees
     batch
     _batch_validation, placement
 
 * the narrow waist, at the bottom — :mod:`tokenmdp.batch` (:class:`TokenBatch`, the one batch
   type both worlds share; its checks in ``_batch_validation``), :mod:`tokenmdp.placement` (where
-  each sequence goes), :mod:`tokenmdp.packing` (layouts and micro-batches) and
+  each sequence goes), :mod:`tokenmdp.packing` (layouts and micro-batches),
+  :mod:`tokenmdp.trees` (branching rollouts: which tokens of a batch are one tree node) and
   :mod:`tokenmdp.distributed` (step counts over data-parallel ranks);
 * :mod:`tokenmdp.estimators` — every estimator as a composition of pure functions of tensors,
   the published ones by name in its registry;
