@@ -5,9 +5,10 @@ raises held-out exact-match accuracy by at least 15 points over the SFT checkpoi
 curve and the tokens/s.* The RL stage is **a number of steps** (``--rl-steps``, 3000), not a wall
 time: a 15-minute budget on a loaded machine cut RL at 1,400-1,500 of 3,000 steps, which measured
 the machine (issue 31). A wall-time guard (``--rl-guard-min``) may still stop a seed early, but a
-seed stopped by it has not run the benchmark: the result then says so and does not pass. One run is one draw from a wide distribution
-(issue 19: SFT alone at 600 fixed steps ended between 9% and 73% over four seeds), so the run is
-repeated for every seed of ``--seeds`` and the criterion is on the **mean gain over the seeds**,
+seed stopped by it has not run the benchmark: the result then says so and does not pass. One run
+is one draw from a wide distribution (issue 19: SFT alone at 600 fixed steps ended between 9% and
+73% over four seeds), so the run is repeated for every seed of ``--seeds`` and the criterion is on
+the **mean gain over the seeds**,
 reported with its standard error (the seeds' gains are paired: each seed's RL starts from its
 own SFT checkpoint).
 
@@ -174,8 +175,8 @@ def run_sft(args, out: Path, seed: int) -> tuple[TrainConfig, list[dict], float]
 def run_rl(args, out: Path, init: Path, seed: int
            ) -> tuple[TrainConfig, list[dict], list[tuple[int, float]], str]:
     """RL in chunks of ``eval_every`` steps (exact resume) until ``rl_steps``; the wall-time
-    guard stops it before ``rl_guard_min`` would be exceeded. Returns the config, the rows, ``(last step, wall seconds)`` per chunk, and why it
-    stopped."""
+    guard stops it before ``rl_guard_min`` would be exceeded. Returns the config, the rows,
+    ``(last step, wall seconds)`` per chunk, and why it stopped."""
     base = TrainConfig(mode="rl", task="addition", estimator=args.estimator, init=str(init),
                        rollout_precision=args.rollout_precision, lr=args.lr,
                        prompts_per_step=args.prompts_per_step, group_size=args.group_size,

@@ -13,6 +13,10 @@
 5. The trainer runs on CUDA: a few RL steps with a bf16 engine, R3, two mini-batches and the
    load-balancing term give
    finite metrics (and tokens/s).
+6. The packed tree's FlexAttention block mask (each token attends to its ancestors: subtree
+   intervals) equals the SDPA tree mask: log-probs and parameter gradients of a packed forest
+   of response trees (issue 28), the routing of the SDPA pass replayed, float32 and bfloat16;
+   then a few RL steps with tree rollouts (``--rollout-tree``) give finite metrics.
 
 Each check prints PASS or FAIL with its measured figure (SKIP where the device cannot exercise
 it); the exit status is 1 if any failed.
@@ -191,6 +195,76 @@ def check_trainer(device, steps: int = 4) -> tuple[bool, str]:
                                        f"eval {rows[-1]['eval_accuracy']:.3f}")
 
 
+def _forest(device):
+    """A packed forest of response trees (every node once) and its expanded batch."""
+    from tokenmdp.tree_packing import pack_tree
+    from tokenmdp.trees import ResponseTree, batch_from_trees
+
+    gen = torch.Generator().manual_seed(9)
+    trees = []
+    for _ in range(12):
+        n = int(torch.randint(8, 60, (1,), generator=gen))
+        parent = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, n)]
+        tokens = torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist()
+        prompt = torch.randint(0, CONFIG.vocab_size, (6,), generator=gen).tolist()
+        trees.append(ResponseTree(prompt=prompt, tokens=tokens, parent=parent))
+    batch = batch_from_trees(trees, dtype=torch.float32, device=device)
+    return batch, pack_tree(batch)
+
+
+def check_tree_flex_equals_sdpa(device) -> tuple[bool, str]:
+    """The tree block mask against the SDPA tree mask, as :func:`check_flex_equals_sdpa`."""
+    from tokenmdp.tree_training import packed_tree_logprobs
+
+    batch, packed = _forest(device)
+    backward = device.type == "cuda"
+    notes, ok = [], True
+    for dtype in (torch.float32, torch.bfloat16):
+        grads, logprobs, trace = {}, {}, None
+        for attention in ("sdpa", "flex"):
+            model = MoETransformer(dataclasses.replace(CONFIG, attention=attention),
+                                   generator=torch.Generator().manual_seed(10), device=device,
+                                   dtype=dtype)
+            with torch.set_grad_enabled(backward):
+                lp, used = packed_tree_logprobs(model, batch, packed, routing=trace,
+                                                record_routing=True)
+            trace = used if trace is None else trace
+            logprobs[attention] = lp.detach().float()
+            if backward:
+                (-(lp.float() * batch.loss_mask).sum()).backward()
+                grads[attention] = torch.cat([p.grad.float().reshape(-1)
+                                              for p in model.parameters()])
+        d_lp = float((logprobs["flex"] - logprobs["sdpa"]).abs().max())
+        note = (f"{str(dtype).removeprefix('torch.')}: max |Δ logprob| {d_lp:.2e} "
+                f"(tol {FLEX_TOL[dtype]:g})")
+        ok &= d_lp <= FLEX_TOL[dtype]
+        if backward:
+            d_grad = float((grads["flex"] - grads["sdpa"]).abs().max()
+                           / grads["sdpa"].abs().max())
+            ok &= d_grad <= GRAD_RTOL[dtype]
+            note += f", grad rel {d_grad:.2e} (tol {GRAD_RTOL[dtype]:g})"
+        notes.append(note)
+    shared = 1 - packed.valid_RC.sum().item() / max(int((batch.sequence_id >= 0).sum()), 1)
+    return ok, (f"{batch.num_sequences} leaves, {shared:.0%} of the expanded tokens shared; "
+                + "; ".join(notes) + ("" if backward else " (forward only on the CPU)"))
+
+
+def check_tree_trainer(device, steps: int = 4) -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TrainConfig(device=str(device), task="addition", estimator="tree_grpo",
+                          rollout_tree="fixed:0x2,1x2", group_size=4, replay="r3",
+                          rollout_precision="bf16", steps=steps, prompts_per_step=32,
+                          eval_size=64, eval_every=2, out_dir=out, deterministic=False)
+        start = time.perf_counter()
+        rows = train(cfg)
+        wall = time.perf_counter() - start
+    finite = all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    return finite and len(rows) == steps, (
+        f"{len(rows)} steps in {wall:.1f} s, last {rows[-1]['tokens_per_s']:.0f} tokens/s, "
+        f"{rows[-1]['generated_tokens']:.0f} generated and {rows[-1]['shared_tokens']:.0f} "
+        "shared tokens")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda",
@@ -209,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
                         ("KV cache = recompute", check_kv_cache), ("R3 routing", check_r3),
                         ("generators", check_generators),
                         (f"trainer on {device.type}",
-                         lambda d: check_trainer(d, steps))):
+                         lambda d: check_trainer(d, steps)),
+                        ("tree flex attention = sdpa", check_tree_flex_equals_sdpa),
+                        (f"tree trainer on {device.type}",
+                         lambda d: check_tree_trainer(d, steps))):
         start = time.perf_counter()
         try:
             ok, note = check(device)

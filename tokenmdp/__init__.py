@@ -9,16 +9,21 @@ Floors, top to bottom::
     integrations
     reports, rl, testing, interop
     exact, model
-    estimators
+    estimators, tree_training
+    tree_packing
     packing, distributed, trees
     batch
-    _batch_validation, placement
+    _batch_validation, placement, tree_schedules
 
 * the narrow waist, at the bottom — :mod:`tokenmdp.batch` (:class:`TokenBatch`, the one batch
   type both worlds share; its checks in ``_batch_validation``), :mod:`tokenmdp.placement` (where
   each sequence goes), :mod:`tokenmdp.packing` (layouts and micro-batches),
-  :mod:`tokenmdp.trees` (branching rollouts: which tokens of a batch are one tree node) and
-  :mod:`tokenmdp.distributed` (step counts over data-parallel ranks);
+  :mod:`tokenmdp.trees` (branching rollouts: which tokens of a batch are one tree node),
+  :mod:`tokenmdp.tree_schedules` (where a tree forks, the same schedules in both worlds) and
+  :mod:`tokenmdp.distributed` (step counts over data-parallel ranks); above them
+  :mod:`tokenmdp.tree_packing` (a tree's nodes packed once, gathered back to the expanded
+  paths) and :mod:`tokenmdp.tree_training` (the model's pass over a packed tree, micro-batches
+  of whole trees);
 * :mod:`tokenmdp.estimators` — every estimator as a composition of pure functions of tensors,
   the published ones by name in its registry;
 * the two worlds — :mod:`tokenmdp.exact` (an enumerable token MDP and the lattice: the true

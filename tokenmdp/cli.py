@@ -242,7 +242,7 @@ def cmd_estimators(args: argparse.Namespace) -> int:
     estimators.describe(args.name)  # an unknown name fails here, with the registry's hint
     from tokenmdp.reports.cards import card_text, reference_rows
 
-    print(card_text(args.name, reference_rows([args.name])[args.name]))
+    print(card_text(args.name, reference_rows([args.name]).get(args.name)))  # trees: no row
     return 0
 
 

@@ -8,8 +8,9 @@ data**, not a new layout:
 * each root-to-leaf path is one sequence of the batch (prompt, then response), as for an
   independent group; this *expanded* batch is what every estimator reads;
 * ``token_extras[TREE_NODE]`` (integer ``[R, C]``) names the tree node of every real token
-  (prompt tokens included; padding is ignored: ``-1`` when built here, 0 after a relayout). Tokens of different sequences with the same node
-  id are *one* transition: the same token at the same position after the same prefix.
+  (prompt tokens included; padding is ignored: ``-1`` when built here, 0 after a relayout).
+  Tokens of different sequences with the same node id are *one* transition: the same token at
+  the same position after the same prefix.
 
 Because shared tokens carry one id, a trainer can pack each node once (``tokenmdp.model``'s tree
 attention: every token attends to its ancestors only) and gather the node log-probs back to the

@@ -157,7 +157,7 @@ def write_estimator_cards(live: bool) -> None:
     from tokenmdp.reports import cards
 
     out, keep = DOCS / "estimators", set()
-    names = estimators.names()
+    names = estimators.names(trees=None)           # every entry, the tree entries included
     rows = cards.reference_rows(names) if live else {}
     for name in names:
         _write(out / f"{name}.md", cards.card_markdown(name, rows.get(name)), keep)
@@ -174,10 +174,18 @@ def write_estimator_cards(live: bool) -> None:
         lines += ["| estimator | rel. bias | cosine | total variance | MSE |",
                   "|---|---:|---:|---:|---:|"]
         for name in names:
-            r = rows[name]
-            lines.append(f"| {{doc}}`{name}` | {r['relative_bias']:.4f} | {r['cosine']:.4f} "
-                         f"| {r['total_variance']:.4g} | {r['mse']:.4g} |")
+            if name in rows:
+                r = rows[name]
+                lines.append(f"| {{doc}}`{name}` | {r['relative_bias']:.4f} | {r['cosine']:.4f} "
+                             f"| {r['total_variance']:.4g} | {r['mse']:.4g} |")
         lines.append("")
+    trees = estimators.names(trees=True)
+    if trees:
+        lines += ["The entries for branching (tree) rollouts need a tree batch "
+                  "({py:mod}`tokenmdp.trees`), so the reference's independent groups give them no "
+                  "row; their exact bias and variance over tree draws are on "
+                  "{doc}`/concepts/branching`: " + ", ".join(f"{{doc}}`{n}`" for n in trees)
+                  + ".", ""]
     else:
         lines += ["(This build skipped the live figures: `TOKENMDP_DOCS_EXECUTE=0`.)", ""]
     lines += ["```{toctree}", ":hidden:", ":maxdepth: 1", ""] + list(names) + ["```", ""]

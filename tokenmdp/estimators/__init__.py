@@ -14,7 +14,8 @@ Floors, top to bottom::
     _common
 
 * the parts, by role — :mod:`~tokenmdp.estimators.advantages` (rewards and groups →
-  advantages: group baselines, REINFORCE++/OPO baselines, per-token advantages),
+  advantages: group baselines, REINFORCE++/OPO baselines, per-token advantages, tree
+  advantages from node values),
   :mod:`~tokenmdp.estimators.surrogates` (the per-token term: REINFORCE, ratios, PPO clip,
   CISPO, MiniRL, sequence IS, GSPO, SAPO, GMPO, DPPO's and OPSM's masks, per-decision IS, CTPO,
   Clip-Cov and KL-Cov), :mod:`~tokenmdp.estimators.corrections` (the detached
@@ -61,6 +62,15 @@ from tokenmdp.estimators.advantages.group import (
     reward_advantage,
 )
 from tokenmdp.estimators.advantages.token import RewardToGo, TokenAdvantage, reward_to_go
+from tokenmdp.estimators.advantages.tree import (
+    NodeValueDifference,
+    ReturnMinusNodeValue,
+    TreeAdvantage,
+    TreeLeaves,
+    TreeValues,
+    tree_values,
+)
+from tokenmdp.estimators.advantages.tree_credit import TreeRLAdvantage, VinePPOTree, segment_parent
 from tokenmdp.estimators.aggregation import (
     Aggregation,
     SequenceCount,
@@ -181,4 +191,7 @@ __all__ = [
     "TokenAdvantage", "group_mean_batch_std_advantage", "opo_advantage",
     "reinforce_pp_baseline_advantage", "reward_to_go", "token_covariance",
     "token_reward_penalty", "weighted_whiten",
+    # issue 28 tree advantages
+    "NodeValueDifference", "ReturnMinusNodeValue", "TreeAdvantage", "TreeLeaves",
+    "TreeRLAdvantage", "TreeValues", "VinePPOTree", "segment_parent", "tree_values",
 ]

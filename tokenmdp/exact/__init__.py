@@ -4,7 +4,7 @@ This package is the exact world's front door: ``from tokenmdp.exact import Token
 
 Floors, top to bottom::
 
-    analysis, lattice
+    analysis, branching, lattice
     lab
     world
 
@@ -17,6 +17,9 @@ Floors, top to bottom::
   Carlo, with its :class:`~tokenmdp.exact.Moments` result;
 * :mod:`~tokenmdp.exact.analysis` — what the lab answers: the trust-region approximation
   (first order), length bias, the KL gradients, training by sampled updates;
+* :mod:`~tokenmdp.exact.branching` — branching (tree) rollouts: fork schedules, tree samplers,
+  the exact law of trees and the moments of any estimator over tree draws, at equal
+  generated-token budget against i.i.d. groups;
 * :mod:`~tokenmdp.exact.lattice` — exact at 4096-token responses: reward automata on a
   ``(t, z)`` lattice, recursions instead of enumeration.
 

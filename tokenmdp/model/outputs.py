@@ -1,5 +1,6 @@
 """What the MoE transformer takes and returns besides tensors: routing traces, the outputs of a
-pass, the KV cache, and the document-causal attention mask of a packed batch.
+pass, the KV cache, the document-causal attention mask of a packed batch and the ancestor mask
+of a packed tree.
 
 Shape suffixes as in :mod:`tokenmdp.model.transformer`: ``R`` rows, ``C`` columns, ``T`` key
 columns, ``L`` routed layers, ``K`` experts per token, ``V`` vocabulary.
@@ -13,7 +14,8 @@ import torch
 
 from tokenmdp.model.config import ModelConfig
 
-__all__ = ["RoutingTrace", "ModelOutput", "TokenOutputs", "KVCache", "sequence_attention_mask"]
+__all__ = ["RoutingTrace", "ModelOutput", "TokenOutputs", "KVCache", "sequence_attention_mask",
+           "tree_attention_mask"]
 
 
 SIGNED_INTS = (torch.int64, torch.int32, torch.int16, torch.int8)
@@ -141,4 +143,28 @@ def sequence_attention_mask(sequence_id_RC: torch.Tensor) -> torch.Tensor:
     same_RCC = (sequence_id_RC[:, :, None] == sequence_id_RC[:, None, :]) & (sequence_id_RC >= 0)[:, :, None]
     mask_RCC = (same_RCC & (col[None, :] <= col[:, None])) | torch.eye(C, dtype=torch.bool,
                                                                        device=col.device)
+    return mask_RCC[:, None]
+
+
+def tree_attention_mask(tree_end_RC: torch.Tensor) -> torch.Tensor:
+    """Bool ``[R, 1, C, C]``: query ``q`` sees key ``k`` iff ``k <= q < tree_end[k]``, i.e. ``k``
+    is ``q`` or one of its ancestors in a packed tree (nodes in depth-first preorder: a node's
+    subtree is the columns from its own to ``tree_end - 1``). Padding has ``tree_end = c + 1``,
+    so it sees only itself and no row of the mask is empty.
+
+    Parameters
+    ----------
+    tree_end_RC : LongTensor ``[R, C]``
+        One past the last column of each slot's subtree
+        (:attr:`tokenmdp.tree_packing.PackedTree.tree_end_RC`).
+
+    Returns
+    -------
+    BoolTensor ``[R, 1, C, C]``
+        The mask, broadcast over heads (``attn_mask`` of ``scaled_dot_product_attention``).
+    """
+    C = tree_end_RC.shape[1]
+    col = torch.arange(C, device=tree_end_RC.device)
+    mask_RCC = (col[None, None, :] <= col[None, :, None]) & \
+        (col[None, :, None] < tree_end_RC[:, None, :])
     return mask_RCC[:, None]

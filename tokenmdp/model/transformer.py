@@ -12,6 +12,8 @@ The policy protocol (:mod:`tokenmdp.exact.world.policies`):
   drawn from, 0 elsewhere;
 * ``token_outputs(batch, entropy=True)``: the log-probs, the routing, the load-balancing loss
   and the entropy ``[R, C]`` from one forward pass (:class:`TokenOutputs`; the trainer's passes).
+* ``tree_token_outputs(...)``: the same over a packed tree (every node once, each token
+  attending to its ancestors only; :mod:`tokenmdp.tree_packing` packs and gathers).
 
 Routing: ``token_logprobs(batch, routing=trace, record_routing=True)`` replays a
 :class:`RoutingTrace` (expert ids ``[R, C, layers, K]``, ``-1`` where a token has no record) and
@@ -43,6 +45,7 @@ from tokenmdp.model.outputs import (
     RoutingTrace,
     TokenOutputs,
     sequence_attention_mask,
+    tree_attention_mask,
 )
 
 __all__ = ["MoETransformer"]
@@ -157,32 +160,42 @@ class MoETransformer(nn.Module):
         """
         if not isinstance(batch, TokenBatch):
             raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
+        valid_RC = batch.sequence_id >= 0
+        routing_RCLK = self._replayed(routing, batch.tokens, valid_RC, "batch")
+        if self._flex(batch.tokens):
+            from tokenmdp.model.flex import document_block_mask
+            mask = document_block_mask(batch.sequence_id)
+        else:
+            mask = sequence_attention_mask(batch.sequence_id)
+        out = self.forward_tokens(batch.tokens, batch.position, mask, valid_RC,
+                                  routing_RCLK=routing_RCLK, aux=aux)
+        experts = torch.where(valid_RC[:, :, None, None], out.experts_RCLK, -1)
+        return dataclasses.replace(out, experts_RCLK=experts)
+
+    def _flex(self, tokens_RC: torch.Tensor) -> bool:
+        """Whether batch passes use FlexAttention (config ``attention``)."""
+        backend = self.config.attention
+        return backend == "flex" or (backend == "auto" and tokens_RC.is_cuda)
+
+    def _replayed(self, routing, tokens_RC: torch.Tensor, valid_RC: torch.Tensor,
+                  what: str) -> torch.Tensor | None:
+        """The routing to replay, checked (shape, ids), ``-1`` on padding; token ids checked."""
         routing_RCLK = None
         if routing is not None:
             routing_RCLK = routing.experts if isinstance(routing, RoutingTrace) else routing
-            expected = (*batch.tokens.shape, self.config.routed_layers, self.config.top_k)
+            expected = (*tokens_RC.shape, self.config.routed_layers, self.config.top_k)
             if not isinstance(routing_RCLK, torch.Tensor) or tuple(routing_RCLK.shape) != expected:
                 raise ValueError(f"routing: expected experts of shape {expected}, got "
                                  f"{getattr(routing_RCLK, 'shape', type(routing_RCLK).__name__)}")
             if routing_RCLK.dtype not in SIGNED_INTS:
                 raise TypeError(f"routing: expected signed integer expert ids (-1 marks no "
                                 f"record), got {routing_RCLK.dtype}")
-        if batch.tokens.numel() and int(batch.tokens.max()) >= self.config.vocab_size:
-            raise ValueError(f"batch: token ids must be < vocab_size={self.config.vocab_size}")
-        valid_RC = batch.sequence_id >= 0
-        backend = self.config.attention
-        if backend == "flex" or (backend == "auto" and batch.tokens.is_cuda):
-            from tokenmdp.model.flex import document_block_mask
-            mask = document_block_mask(batch.sequence_id)
-        else:
-            mask = sequence_attention_mask(batch.sequence_id)
+        if tokens_RC.numel() and int(tokens_RC.max()) >= self.config.vocab_size:
+            raise ValueError(f"{what}: token ids must be < vocab_size={self.config.vocab_size}")
         if routing_RCLK is not None:  # packing fills padding with 0: padding is never replayed
             routing_RCLK = torch.where(valid_RC[:, :, None, None], routing_RCLK.long(), -1)
             self._check_routing(routing_RCLK)
-        out = self.forward_tokens(batch.tokens, batch.position, mask, valid_RC,
-                                  routing_RCLK=routing_RCLK, aux=aux)
-        experts = torch.where(valid_RC[:, :, None, None], out.experts_RCLK, -1)
-        return dataclasses.replace(out, experts_RCLK=experts)
+        return routing_RCLK
 
     def _check_routing(self, routing_RCLK: torch.Tensor) -> None:
         """Every (token, layer) record is ``K`` distinct ids in ``[0, E)`` or all ``-1``."""
@@ -272,6 +285,69 @@ class MoETransformer(nn.Module):
             entropy_RC = -plogp_RCV.sum(-1) * batch.response_mask
         return TokenOutputs(lp_RC, RoutingTrace(out.experts_RCLK), out.load_balancing_loss,
                             entropy_RC)
+
+    def tree_token_outputs(self, tokens_RC: torch.Tensor, position_RC: torch.Tensor,
+                           tree_end_RC: torch.Tensor, parent_RC: torch.Tensor,
+                           valid_RC: torch.Tensor, *,
+                           routing: RoutingTrace | torch.Tensor | None = None,
+                           entropy: bool = False, aux: bool = True) -> TokenOutputs:
+        """:meth:`token_outputs` on a packed tree (:func:`tokenmdp.tree_packing.pack_tree`):
+        every slot attends to its ancestors and itself only, and its token's log-prob is read
+        from its *parent's* output (the token before it on every path through it).
+
+        The tensors are a :class:`~tokenmdp.tree_packing.PackedTree`'s (plain tensors: the
+        model knows no packing). Gathered to the expanded batch, the log-probs and the routing
+        are those of :meth:`token_outputs` on the expanded paths (up to summation order); the
+        load-balancing loss counts each node once (the expanded pass counts it once per leaf).
+
+        Parameters
+        ----------
+        tokens_RC, position_RC : LongTensor ``[R', C']``
+            Each slot's token and position (the RoPE angle of its sequences).
+        tree_end_RC : LongTensor ``[R', C']``
+            One past the last column of each slot's subtree (:func:`tree_attention_mask`).
+        parent_RC : LongTensor ``[R', C']``
+            The column of each slot's parent, ``-1`` at roots and on padding.
+        valid_RC : BoolTensor ``[R', C']``
+            Slots holding a node (the MoE routes and balances only them).
+        routing : RoutingTrace or LongTensor ``[R', C', L, K]``, optional
+            Experts to replay per slot (as in :meth:`token_logprobs`).
+        entropy : bool, default False
+            Also compute the entropy of each slot's next-token distribution (read at its parent).
+        aux : bool, default True
+            Compute the load-balancing loss (0 otherwise).
+
+        Returns
+        -------
+        TokenOutputs
+            Per slot: ``log pi(token | ancestors)`` (0 at roots and on padding; prompt slots
+            included: mask them after gathering), the routing used (``-1`` on padding), the
+            load-balancing loss and (with ``entropy``) the entropy.
+        """
+        shape = tuple(tokens_RC.shape)
+        for name, t in (("position_RC", position_RC), ("tree_end_RC", tree_end_RC),
+                        ("parent_RC", parent_RC), ("valid_RC", valid_RC)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected a tensor of shape {shape} (tokens_RC's)")
+        routing_RCLK = self._replayed(routing, tokens_RC, valid_RC, "tokens_RC")
+        if self._flex(tokens_RC):
+            from tokenmdp.model.flex import tree_block_mask
+            mask = tree_block_mask(tree_end_RC)
+        else:
+            mask = tree_attention_mask(tree_end_RC)
+        out = self.forward_tokens(tokens_RC, position_RC, mask, valid_RC,
+                                  routing_RCLK=routing_RCLK, aux=aux)
+        experts = torch.where(valid_RC[:, :, None, None], out.experts_RCLK, -1)
+        has_parent_RC = valid_RC & (parent_RC >= 0)
+        V = out.logits_RCV.shape[-1]
+        at_parent = parent_RC.clamp(min=0)[..., None].expand(*shape, V)
+        lp_RCV = torch.log_softmax(float32_if_half(out.logits_RCV).gather(1, at_parent), dim=-1)
+        lp_RC = torch.where(has_parent_RC, lp_RCV.gather(-1, tokens_RC[..., None])[..., 0], 0.0)
+        entropy_RC = None
+        if entropy:
+            plogp_RCV = torch.where(lp_RCV > -torch.inf, lp_RCV.exp() * lp_RCV, 0.0)
+            entropy_RC = torch.where(has_parent_RC, -plogp_RCV.sum(-1), 0.0)
+        return TokenOutputs(lp_RC, RoutingTrace(experts), out.load_balancing_loss, entropy_RC)
 
     def next_token_logprobs(self, batch: TokenBatch,
                             routing: RoutingTrace | torch.Tensor | None = None) -> torch.Tensor:

@@ -76,20 +76,26 @@ def reference_rows(names: Sequence[str] | None = None) -> dict[str, dict]:
     Parameters
     ----------
     names : sequence of str, optional
-        Registry names (default: every name, :func:`tokenmdp.estimators.names`).
+        Registry names (default: every name that takes independent groups,
+        :func:`tokenmdp.estimators.names`).
 
     Returns
     -------
     dict of str to dict
         Per name, ``tokenmdp.reports.comparison.summary_row``: ``Moments.summary()`` (relative bias,
         cosine, total variance, MSE, ...) with ``c_star``, ``mse_c_star``, ``no_step_mse``,
-        ``method`` and ``seconds``.
+        ``method`` and ``seconds``. An entry that needs a tree batch
+        (``estimators.names(trees=True)``) has no row: the reference draws independent groups.
     """
     if isinstance(names, str):
         raise TypeError("names: expected a sequence of registry names, got a str")
     names = estimators.names() if names is None else tuple(names)
     for name in names:
         _check_name(name)
+    trees = set(estimators.names(trees=True))
+    names = [name for name in names if name not in trees]
+    if not names:
+        return {}
     lab = build_lab(REFERENCE.setup)
     return {name: timed_row(lab, name)[0] for name in names}
 
@@ -132,6 +138,8 @@ def _components(name: str) -> list[tuple[str, str, str]]:
         else:
             rows.append((part, value.describe(), _setting(value)))
     needs = sorted(set(est.requires("prepare") + est.requires("loss")))
+    if getattr(est.advantage, "needs_tree", False):
+        needs.insert(0, "a tree batch (token_extras['tree_node'], tokenmdp.trees)")
     rows.append(("needs", ", ".join(needs) if needs else "tokens, rewards and groups only", ""))
     return rows
 

@@ -25,6 +25,8 @@ from tokenmdp.estimators.advantages.group import (
     RewardAsAdvantage,
 )
 from tokenmdp.estimators.advantages.token import RewardToGo
+from tokenmdp.estimators.advantages.tree import NodeValueDifference, ReturnMinusNodeValue, TreeLeaves
+from tokenmdp.estimators.advantages.tree_credit import TreeRLAdvantage, VinePPOTree
 from tokenmdp.estimators.corrections.factor import (
     ImportanceSampling,
     Level,
@@ -136,6 +138,31 @@ def _reward_to_go(part: RewardToGo, kl: KLPenalty | None) -> Term:
         *penalty.defs), known=penalty.known)
 
 
+_NODE = "n_{i,t}"
+_V_DEF = (r"\hat{V}(n) &= \frac{1}{|L(n)|}\sum_{j\in L(n)} R_j"
+          r"\quad(\text{the leaves below tree node } n)")
+
+
+def _tree_advantage(part) -> Term | None:
+    """A tree part's ``\\hat{A}_{i,t}`` from node values (``n_{i,t}`` the node of token t,
+    ``p(n)`` its parent); None for a part that is not one."""
+    a = r"\hat{A}_{i,t}"
+    if isinstance(part, NodeValueDifference):
+        return Term(a, (rf"{a} &= \hat{{V}}({_NODE}) - \hat{{V}}(p({_NODE}))", _V_DEF))
+    if isinstance(part, ReturnMinusNodeValue):
+        return Term(a, (rf"{a} &= R_i - \hat{{V}}(p({_NODE}))", _V_DEF))
+    if isinstance(part, TreeRLAdvantage):
+        top = r"2\hat{V}(n) - \hat{V}(\text{root}) - \hat{V}(p_{\text{seg}}(n))"
+        form = rf"\frac{{{top}}}{{\sqrt{{|L(n)|}}}}" if part.reweight else top
+        return Term(a, (rf"{a} &= {form},\quad n = {_NODE}", _V_DEF,
+                        r"&(p_{\text{seg}}(n)\text{: the fork above the segment of } n)"))
+    if isinstance(part, VinePPOTree):
+        return Term(a, (rf"{a} &= \hat{{V}}_{{-i}}({_NODE}) - \hat{{V}}_{{-i}}(p({_NODE}))",
+                        r"\hat{V}_{-i}(n) &= \operatorname{mean}_{j\in L(n),\,j\ne i} R_j"
+                        r"\quad(R_i\text{ if no other leaf})"))
+    return None
+
+
 def advantage_term(part: estimators.Advantage, kl: KLPenalty | None = None) -> Term:
     """The advantage's symbol (``\\hat{A}_i``, ``\\hat{A}_{i,t}`` or ``R_i``) and definition.
 
@@ -154,6 +181,13 @@ def advantage_term(part: estimators.Advantage, kl: KLPenalty | None = None) -> T
     """
     if isinstance(part, RewardToGo):
         return _reward_to_go(part, kl)
+    tree = _tree_advantage(part)
+    if tree is not None:
+        return tree
+    if isinstance(part, TreeLeaves):             # the inner advantage, g(i) the tree's leaves
+        inner = advantage_term(part.inner, kl)
+        return dataclasses.replace(inner, defs=(*inner.defs,
+                                                r"&(g(i)\text{: the leaves of the tree of } i)"))
     penalized = kl is not None and kl.in_reward
     reward = r"\tilde{R}_i" if penalized else "R_i"
     found = _sequence_advantage(part, reward)

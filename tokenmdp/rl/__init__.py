@@ -5,6 +5,11 @@
   own numerics (:mod:`tokenmdp.rl.engine_numerics`: its precisions, the numeric mismatch mode)
   and with an engine mismatch mode (:class:`tokenmdp.exact.EngineMismatch`), recording ``log μ``
   and the routing of every sampled token;
+* :mod:`tokenmdp.rl.tree_rollout` — the engine's forks (``RolloutEngine.generate_tree``): one
+  response tree per prompt, each shared prefix fed once and its KV cache replicated per branch,
+  on the fork schedules of :mod:`tokenmdp.rl.tree_schedule` (fixed depths and branching,
+  entropy-guided); :mod:`tokenmdp.rl.tree_step`, the trainer's step with trees
+  (``--rollout-tree``: packed or expanded passes over them);
 * :mod:`tokenmdp.rl.mismatch` — :class:`RoutingReplay` (R2, R3), the ``old_logprob`` pass that
   records or replays routing, and the training–inference KL and routing-mismatch metrics;
 * :mod:`tokenmdp.rl.config` and :mod:`tokenmdp.rl.trainer` — :class:`TrainConfig` and
@@ -27,8 +32,9 @@ Floors, top to bottom::
     run_state
     options, replay_bias, replay_runs, run_setup
     config, replay_exact
-    plot, rollout, run_folder, update
-    checkpoint, engine_numerics, logger, mismatch, tasks
+    plot, rollout, run_folder, tree_step, update
+    tree_rollout
+    checkpoint, engine_numerics, logger, mismatch, tasks, tree_schedule
 
 It imports the model, the estimators, the narrow waist and, for routing replay analysed exactly
 (``replay_*``), the exact world; never a front end above it.

@@ -67,6 +67,17 @@ class TrainConfig:
     rollout_mismatch_seed : int, default 0
         Seed of the fixed, heavy and growing modes' pattern, in [0, 2^31 - 1): runs that keep it
         sample from the same engine.
+    rollout_tree : str, default "none"
+        Branching rollouts: none (group_size independent responses per prompt) or one tree per
+        prompt whose leaves are its group: fixed:DxB[,DxB...] (every live branch forks into B
+        after D response tokens, D = 0 at the prompt: fixed:2x2,4x2 has 4 leaves) or
+        entropy:NxT[,NxT...] (one chain, then per round T new children at each of the N prefix
+        states of highest engine entropy: 1 + sum N*T leaves). group_size must equal the leaves;
+        a branch that ends before a fork does not fork.
+    tree_forward : str, default "packed"
+        With a rollout tree, how the old-logprob, reference and training passes run: packed
+        (each tree node computed once, tree attention) or expanded (every root-to-leaf path
+        whole); the loss is the same either way.
     minibatches : int, default 1
         Mini-batch updates per step (N >= 1); each is its own optimizer step, so N > 1 makes updates
         2..N off-policy.
@@ -171,6 +182,8 @@ class TrainConfig:
     rollout_mismatch_scale: float = 0.0
     rollout_mismatch_fraction: float = 1.0
     rollout_mismatch_seed: int = 0
+    rollout_tree: str = "none"
+    tree_forward: str = "packed"
     minibatches: int = 1
     group_size: int = 4
     prompts_per_step: int = 8
@@ -291,6 +304,7 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
     from tokenmdp.rl.engine_numerics import PRECISIONS
     from tokenmdp.rl.mismatch import RoutingReplay
     from tokenmdp.rl.tasks import TASKS
+    from tokenmdp.rl.tree_schedule import check_tree_config
 
     for f in dataclasses.fields(cfg):  # every float option: a finite number (NaN, inf rejected)
         value = getattr(cfg, f.name)
@@ -311,9 +325,9 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
         raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {cfg.mode!r}")
     if cfg.task not in TASKS:
         raise ValueError(f"task: expected one of {', '.join(TASKS)}, got {cfg.task!r}")
-    if cfg.mode == "rl" and cfg.estimator not in estimators.names():
+    if cfg.mode == "rl" and cfg.estimator not in estimators.names(trees=None):
         raise ValueError(f"estimator: unknown {cfg.estimator!r}; known: "
-                         f"{', '.join(estimators.names())}")
+                         f"{', '.join(estimators.names(trees=None))}")
     if cfg.replay not in [r.value for r in RoutingReplay]:
         raise ValueError(f"replay: expected none, r2 or r3, got {cfg.replay!r}")
     if cfg.replay != "none" and cfg.dense:
@@ -370,6 +384,7 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
     if not cfg.rollout_logit_noise >= 0:
         raise ValueError(f"rollout_logit_noise: must be >= 0, got {cfg.rollout_logit_noise}")
     _check_rollout_mismatch(cfg)
+    check_tree_config(cfg)
     if not cfg.load_balancing_coef >= 0:
         raise ValueError(f"load_balancing_coef: must be >= 0, got {cfg.load_balancing_coef}")
     if cfg.load_balancing_coef > 0 and cfg.dense:

@@ -40,6 +40,7 @@ from tokenmdp.exact.world.engine_mismatch import (
 from tokenmdp.model import KVCache, MoETransformer
 from tokenmdp.rl.engine_numerics import PRECISIONS, engine_weight, round_activations
 from tokenmdp.rl.mismatch import ENGINE_ROUTING
+from tokenmdp.rl.tree_rollout import TreeRollout, generate_tree
 
 __all__ = ["RolloutEngine"]
 
@@ -247,6 +248,34 @@ class RolloutEngine:
                                                       routing_BTLK[rows_B, col_B])
         return self._to_batch(tokens_BT, plen_B, length_B, logp_BT, routing_BTLK, groups,
                               prompt_index, dtype)
+
+    def generate_tree(self, prompts: Sequence[Sequence[int]], schedule, *, max_new_tokens: int,
+                      eos_id: int, generator: torch.Generator, temperature: float = 1.0,
+                      **kwargs) -> TreeRollout:
+        """Sample one response tree per prompt: a shared prefix generated once, then forked,
+        every fork reusing its prefix's KV cache (:func:`~tokenmdp.rl.tree_rollout.generate_tree`:
+        the schedules, ``groups``, ``prompt_index``, ``dtype`` and what it returns).
+
+        Parameters
+        ----------
+        prompts : sequences of token ids, each non-empty
+            One tree per prompt.
+        schedule : FixedForks, EntropyForks or str
+            E.g. ``"fixed:4x2,8x2"`` (fork into 2 after 4 and after 8 tokens: 4 leaves).
+        max_new_tokens, eos_id, generator, temperature
+            As :meth:`generate`.
+        **kwargs
+            ``groups``, ``prompt_index``, ``dtype`` (per tree).
+
+        Returns
+        -------
+        TreeRollout
+            The expanded batch (one sequence per leaf, ``token_extras["tree_node"]``), the trees,
+            per-node entropies and the token counts.
+        """
+        return generate_tree(self, prompts, schedule, max_new_tokens=max_new_tokens,
+                             eos_id=eos_id, generator=generator, temperature=temperature,
+                             **kwargs)
 
     @torch.no_grad()
     def next_token_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0,

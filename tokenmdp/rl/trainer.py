@@ -99,12 +99,14 @@ from tokenmdp.rl.run_state import (
     RunInterrupted,
     _Run,
 )
+from tokenmdp.rl.tree_step import tree_rollout_step
+from tokenmdp.rl.update import TrainingPass
 
 __all__ = ["SFT_ESTIMATOR", "TIMING_FIELDS", "main", "run_and_report", "train"]
 
 log = logging.getLogger(__name__)
 
-TIMING_FIELDS = ("time_s", "tokens_per_s")
+TIMING_FIELDS = ("time_s", "tokens_per_s", "generated_tokens_per_s")
 """Metrics that measure wall time (the only ones a resumed run may change)."""
 
 _NONFINITE_SAMPLING = "probability tensor contains"
@@ -202,6 +204,17 @@ class _Interrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
+def _set_tree_forward(run: _Run) -> None:
+    """The training pass of a tree run: packed (each node once) or expanded (every path)."""
+    if run.cfg.rollout_tree == "none":
+        return
+    target = getattr(run.trained, "module", run.trained)    # under DDP, the module it wraps
+    if isinstance(target, TrainingPass):
+        target.tree_forward = run.cfg.tree_forward
+    else:
+        run.trained = TrainingPass(run.model, tree_forward=run.cfg.tree_forward)
+
+
 def train(cfg: TrainConfig) -> list[dict]:
     """Run ``cfg`` (RL or SFT, see the module docstring) and return this call's metrics rows.
 
@@ -244,6 +257,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     with lock, _process_group(cfg) as device, _deterministic(cfg.deterministic), \
             _released(_Run(cfg, device, init_state=init_state)) as run, _Interrupt() as interrupt:
         lead = run.rank == 0
+        _set_tree_forward(run)
         if cfg.resume:
             run.load(ckpt)
             if run.step > cfg.steps:          # == cfg.steps: a finished run, nothing to do
@@ -266,12 +280,15 @@ def train(cfg: TrainConfig) -> list[dict]:
                     group["lr"] = lr
                 if cfg.mode == "rl":
                     with _sampling_guard(run.step, "rollout"):
-                        batch, stats = run.rollout()
+                        batch, stats = (run.rollout() if cfg.rollout_tree == "none"
+                                        else tree_rollout_step(run))
                 else:
                     batch, stats = run.demonstrations()
                 (tokens,) = all_reduce_floats([batch.num_real_tokens], device=run.device)
-                row = {"step": run.step, "lr": lr, **stats, **run.updates(batch),
-                       "tokens": int(tokens)}
+                updates = (run.updates(batch) if tokens > 0 else  # a tree step of none
+                           {"loss": None, "grad_norm": None, "skipped_updates": 0,
+                            "optimizer_steps": 0})
+                row = {"step": run.step, "lr": lr, **stats, **updates, "tokens": int(tokens)}
                 last = run.step == cfg.steps - 1
                 run.step += 1
                 if last or (cfg.eval_every and run.step % cfg.eval_every == 0):
@@ -279,6 +296,9 @@ def train(cfg: TrainConfig) -> list[dict]:
                         row["eval_accuracy"] = run.evaluate()
                 row["time_s"] = time.perf_counter() - t0
                 row["tokens_per_s"] = row["tokens"] / max(row["time_s"], 1e-9)
+                if "generated_tokens" in row:       # a tree step: what the engine sampled
+                    row["generated_tokens_per_s"] = row["generated_tokens"] / max(row["time_s"],
+                                                                                  1e-9)
                 logger.log(row)
                 rows.append(row)
                 if last or (cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0):

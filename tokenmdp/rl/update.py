@@ -22,6 +22,8 @@ from tokenmdp.estimators import Estimator
 from tokenmdp.model import MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
 from tokenmdp.rl.mismatch import RoutingReplay, replay_routing
+from tokenmdp.tree_training import packed_tree_outputs
+from tokenmdp.trees import TREE_NODE
 
 __all__ = ["LOW_PROBABILITY", "TrainingPass", "blame_stats", "blame_sums", "minibatch_loss",
            "prepare_minibatch", "split_minibatches", "without_zero_variance_groups"]
@@ -32,15 +34,25 @@ class TrainingPass(torch.nn.Module):
     ``model.token_outputs(batch, routing)``: the module DDP wraps, so that the training pass goes
     through DDP's ``forward`` (which prepares the gradient all-reduce).
 
+    A tree batch (``token_extras["tree_node"]``, :mod:`tokenmdp.trees`) runs packed by default:
+    each node once (:func:`tokenmdp.tree_training.packed_tree_outputs`), the log-probs gathered
+    back to the batch's layout, so the loss and gradient are the expanded paths' (the
+    load-balancing loss counts each node once).
+
     Parameters
     ----------
     model : MoETransformer
         The trained model (a submodule: its parameters are this module's).
+    tree_forward : {"packed", "expanded"}, default "packed"
+        How a tree batch runs (a batch without node ids always runs as it is laid out).
     """
 
-    def __init__(self, model: MoETransformer) -> None:
+    def __init__(self, model: MoETransformer, tree_forward: str = "packed") -> None:
         super().__init__()
+        if tree_forward not in ("packed", "expanded"):
+            raise ValueError(f"tree_forward: expected packed or expanded, got {tree_forward!r}")
         self.model = model
+        self.tree_forward = tree_forward
 
     def forward(self, batch: TokenBatch, routing=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One training forward pass of the model.
@@ -57,7 +69,11 @@ class TrainingPass(torch.nn.Module):
         (Tensor ``[R, C]``, Tensor ``[]``)
             The log-probs of the response tokens and the load-balancing loss.
         """
-        out = self.model.token_outputs(batch, routing=routing)
+        if self.tree_forward == "packed" and TREE_NODE in batch.token_extras \
+                and batch.num_sequences > 0:
+            out = packed_tree_outputs(self.model, batch, routing=routing)
+        else:
+            out = self.model.token_outputs(batch, routing=routing)
         return out.logprob_RC, out.load_balancing_loss
 
 

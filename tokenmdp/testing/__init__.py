@@ -41,13 +41,29 @@ wrapped by :func:`estimator_loss` and :func:`estimator_prepare`;
 Hypothesis is needed for the strategies only (``pip install hypothesis``); the checks work
 without it.
 
+A third property is for branching rollouts (:mod:`tokenmdp.trees`): **tree layout is memory,
+never meaning** — the loss and gradient through a packed tree (each shared prefix once,
+:mod:`tokenmdp.tree_packing`) equal those of its expanded root-to-leaf paths, over packings and
+micro-batches of whole trees: :func:`check_tree_layout_invariance`
+(:mod:`tokenmdp.testing.tree_checks`), with the strategies ``response_trees``,
+``tree_batches``, ``tree_packings`` and ``tree_splits``
+(:mod:`tokenmdp.testing.tree_strategies`)::
+
+    @settings(max_examples=20, deadline=None)
+    @given(testing.tree_batches(), testing.tree_packings(), testing.tree_splits())
+    def test_grpo_on_trees(batch, packing, split):
+        testing.check_tree_layout_invariance(estimators.get("grpo"), batch, [packing],
+                                             [split], raise_on_failure=True)
+
 Floors, top to bottom::
 
-    checks
+    tree_checks
+    checks, tree_strategies
     lattice_strategies, models, report, strategies
 
-It imports the narrow waist, the estimators and the exact world (for MDP strategies and the
-default model); never the trainer or the course.
+It imports the narrow waist, the estimators, the exact world (for MDP strategies and the
+default model), the tree packing and, for the tree check's default model, the MoE transformer;
+never the trainer or the course.
 """
 
 from tokenmdp.testing.checks import (
@@ -64,26 +80,38 @@ from tokenmdp.testing.checks import (
 )
 from tokenmdp.testing.models import TokenTable
 from tokenmdp.testing.report import InvarianceReport, default_tolerances
+from tokenmdp.testing.tree_checks import (
+    check_tree_layout_invariance,
+    estimators_accepting,
+    tree_check_model,
+)
 
 _STRATEGIES = ("LAYOUT_KINDS", "Layout", "MicroBatchSplit", "estimators", "layouts", "mdps",
                "micro_batch_splits", "token_batches")
+_TREE_STRATEGIES = ("TreePacking", "TreeSplit", "response_trees", "tree_batches",
+                    "tree_packings", "tree_splits")
 
 __all__ = [
     "FLOAT32_ATOL", "FLOAT32_RTOL", "FLOAT64_ATOL", "FLOAT64_RTOL", "InvarianceReport", "LossFn",
     "TokenTable", "check_layout_invariance", "check_micro_batch_invariance", "default_tolerances",
-    "estimator_loss", "estimator_prepare", "per_micro_batch_token_mean", *_STRATEGIES,
+    "estimator_loss", "estimator_prepare", "per_micro_batch_token_mean",
+    "check_tree_layout_invariance", "estimators_accepting", "tree_check_model", *_STRATEGIES,
+    *_TREE_STRATEGIES,
 ]
 
 
 def __getattr__(name: str):
     # The strategies import Hypothesis, a test-time dependency: load them on first use.
-    if name in _STRATEGIES:
+    if name in _STRATEGIES or name in _TREE_STRATEGIES:
         try:
-            from tokenmdp.testing import strategies
+            if name in _STRATEGIES:
+                from tokenmdp.testing import strategies as module
+            else:
+                from tokenmdp.testing import tree_strategies as module
         except ModuleNotFoundError as err:
             if err.name != "hypothesis":
                 raise
             raise ImportError(f"tokenmdp.testing.{name} needs Hypothesis: pip install "
                               "hypothesis") from err
-        return getattr(strategies, name)
+        return getattr(module, name)
     raise AttributeError(f"module 'tokenmdp.testing' has no attribute {name!r}")

@@ -6,6 +6,7 @@ defaults are entries of their own (``*_verl``, ``cispo_tinker``, ``*_trl_mis``).
 Floors, top to bottom::
 
     lookup
+    trees
     baselines
     zoo
     classic
@@ -16,6 +17,8 @@ Floors, top to bottom::
 * :mod:`~tokenmdp.estimators.registry.classic` — REINFORCE to MiniRL and their variants;
 * :mod:`~tokenmdp.estimators.registry.zoo` — the newer surrogates (SAPO, DPPO, GMPO, OPSM, ...);
 * :mod:`~tokenmdp.estimators.registry.baselines` — the newer advantages (REINFORCE++, OPO, ...);
+* :mod:`~tokenmdp.estimators.registry.trees` — estimators that need a tree batch (TreeRL,
+  VinePPO-style values, node-value differences, GRPO/RLOO over a tree's leaves);
 * :mod:`~tokenmdp.estimators.registry.lookup` — :func:`~tokenmdp.estimators.get`,
   :func:`~tokenmdp.estimators.names`, :func:`~tokenmdp.estimators.describe`,
   :func:`~tokenmdp.estimators.registry.lookup.resolve` (an estimator or its name).

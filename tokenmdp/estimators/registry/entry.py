@@ -1,13 +1,15 @@
 """The registry's machinery: :class:`Entry`, registration, and the variant rule.
 
 Entries live in ``registry.classic`` (the classic estimators and their
-``±tis`` / ``±mis`` variants) and ``registry.zoo`` (the newer surrogates);
+``±tis`` / ``±mis`` variants), ``registry.zoo`` (the newer surrogates), ``registry.baselines``
+(the newer advantages) and ``registry.trees`` (estimators that need a tree batch);
 :mod:`~tokenmdp.estimators.registry.lookup` looks them up by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from tokenmdp.estimators.estimator import Estimator
@@ -38,6 +40,12 @@ class Entry:
     formula: str
     paper: str
     aliases: str
+
+    @functools.cached_property
+    def needs_tree(self) -> bool:  # numpydoc ignore=RT01
+        """True when the estimator's advantage reads a tree batch's node ids
+        (``token_extras['tree_node']``, :mod:`tokenmdp.trees`) and refuses a plain batch."""
+        return bool(getattr(self.build().advantage, "needs_tree", False))
 
 
 _ENTRIES: dict[str, Entry] = {}

@@ -17,20 +17,31 @@ import shutil
 
 from tokenmdp.estimators.estimator import Estimator
 from tokenmdp.estimators.registry import baselines, classic, zoo  # noqa: F401  (registers the entries)
+from tokenmdp.estimators.registry import trees as _tree_entries  # noqa: F401  (registered last)
 from tokenmdp.estimators.registry.entry import _ENTRIES, Entry
 
 __all__ = ["TABLE_WIDTHS", "describe", "format_table", "get", "names", "resolve"]
 
 
-def names() -> tuple[str, ...]:
-    """Every registered name, bases first.
+def names(*, trees: bool | None = False) -> tuple[str, ...]:
+    """Registered names, bases first: by default those that take any batch.
+
+    Parameters
+    ----------
+    trees : bool or None, default False
+        False: the entries that take any batch (independent groups included); True: the entries
+        that need a tree batch (:attr:`Entry.needs_tree`, ``tokenmdp.estimators.registry.trees``:
+        their advantages read ``token_extras['tree_node']``); None: every entry.
 
     Returns
     -------
     tuple of str
         The names, in registration order.
     """
-    return tuple(_ENTRIES)
+    if trees is not None and not isinstance(trees, bool):
+        raise TypeError(f"trees: expected a bool or None, got {type(trees).__name__}")
+    return tuple(name for name, entry in _ENTRIES.items()
+                 if trees is None or entry.needs_tree == trees)
 
 
 def _entry(name: str) -> Entry:
