@@ -71,21 +71,21 @@ def _batch(device) -> TokenBatch:
     return pack_first_fit_decreasing(batch, 256).to(device)
 
 
-def check_flex_equals_sdpa(device) -> tuple[bool, str]:
+def _flex_against_sdpa(device, batch: TokenBatch, logprobs_of, seed: int) -> tuple[bool, str]:
     """Same weights, same experts (the flex pass replays the SDPA pass's routing, so a bf16
     rounding difference cannot flip an expert and cascade): log-probs and, where flex has a
-    backward (CUDA), parameter gradients."""
-    batch = _batch(device)
+    backward (CUDA), parameter gradients. ``logprobs_of(model, routing)`` returns the log-probs
+    and the routing used."""
     backward = device.type == "cuda"
     notes, ok = [], True
     for dtype in (torch.float32, torch.bfloat16):
         grads, logprobs, trace = {}, {}, None
         for attention in ("sdpa", "flex"):
             model = MoETransformer(dataclasses.replace(CONFIG, attention=attention),
-                                   generator=torch.Generator().manual_seed(1), device=device,
+                                   generator=torch.Generator().manual_seed(seed), device=device,
                                    dtype=dtype)
             with torch.set_grad_enabled(backward):
-                lp, used = model.token_logprobs(batch, routing=trace, record_routing=True)
+                lp, used = logprobs_of(model, trace)
             trace = used if trace is None else trace
             logprobs[attention] = lp.detach().float()
             if backward:
@@ -104,6 +104,14 @@ def check_flex_equals_sdpa(device) -> tuple[bool, str]:
         notes.append(note)
     return ok, "; ".join(notes) + ("" if backward else " (forward only: no flex backward on "
                                                        "the CPU)")
+
+
+def check_flex_equals_sdpa(device) -> tuple[bool, str]:
+    """The document-masked flex pass against SDPA on a packed batch."""
+    batch = _batch(device)
+    return _flex_against_sdpa(
+        device, batch, lambda model, trace: model.token_logprobs(batch, routing=trace,
+                                                                 record_routing=True), seed=1)
 
 
 def check_kv_cache(device) -> tuple[bool, str]:
@@ -213,40 +221,15 @@ def _forest(device):
 
 
 def check_tree_flex_equals_sdpa(device) -> tuple[bool, str]:
-    """The tree block mask against the SDPA tree mask, as :func:`check_flex_equals_sdpa`."""
+    """The tree block mask against the SDPA tree mask, on a packed forest."""
     from tokenmdp.tree_training import packed_tree_logprobs
 
     batch, packed = _forest(device)
-    backward = device.type == "cuda"
-    notes, ok = [], True
-    for dtype in (torch.float32, torch.bfloat16):
-        grads, logprobs, trace = {}, {}, None
-        for attention in ("sdpa", "flex"):
-            model = MoETransformer(dataclasses.replace(CONFIG, attention=attention),
-                                   generator=torch.Generator().manual_seed(10), device=device,
-                                   dtype=dtype)
-            with torch.set_grad_enabled(backward):
-                lp, used = packed_tree_logprobs(model, batch, packed, routing=trace,
-                                                record_routing=True)
-            trace = used if trace is None else trace
-            logprobs[attention] = lp.detach().float()
-            if backward:
-                (-(lp.float() * batch.loss_mask).sum()).backward()
-                grads[attention] = torch.cat([p.grad.float().reshape(-1)
-                                              for p in model.parameters()])
-        d_lp = float((logprobs["flex"] - logprobs["sdpa"]).abs().max())
-        note = (f"{str(dtype).removeprefix('torch.')}: max |Δ logprob| {d_lp:.2e} "
-                f"(tol {FLEX_TOL[dtype]:g})")
-        ok &= d_lp <= FLEX_TOL[dtype]
-        if backward:
-            d_grad = float((grads["flex"] - grads["sdpa"]).abs().max()
-                           / grads["sdpa"].abs().max())
-            ok &= d_grad <= GRAD_RTOL[dtype]
-            note += f", grad rel {d_grad:.2e} (tol {GRAD_RTOL[dtype]:g})"
-        notes.append(note)
+    ok, note = _flex_against_sdpa(
+        device, batch, lambda model, trace: packed_tree_logprobs(
+            model, batch, packed, routing=trace, record_routing=True), seed=10)
     shared = 1 - packed.valid_RC.sum().item() / max(int((batch.sequence_id >= 0).sum()), 1)
-    return ok, (f"{batch.num_sequences} leaves, {shared:.0%} of the expanded tokens shared; "
-                + "; ".join(notes) + ("" if backward else " (forward only on the CPU)"))
+    return ok, f"{batch.num_sequences} leaves, {shared:.0%} of the expanded tokens shared; {note}"
 
 
 def check_tree_trainer(device, steps: int = 4) -> tuple[bool, str]:

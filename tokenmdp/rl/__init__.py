@@ -33,7 +33,7 @@ Floors, top to bottom::
     options, replay_bias, replay_runs, run_setup
     config, replay_exact
     plot, rollout, run_folder, tree_step, update
-    tree_rollout
+    step_stats, tree_rollout
     checkpoint, engine_numerics, logger, mismatch, tasks, tree_schedule
 
 It imports the model, the estimators, the narrow waist and, for routing replay analysed exactly

@@ -37,7 +37,6 @@ from tokenmdp.distributed import (
     data_parallel_loss_scale,
     rank_and_world_size,
 )
-from tokenmdp.estimators.corrections.diagnostics import batch_weight_sums, diagnostics_from_sums
 from tokenmdp.model import MoETransformer
 from tokenmdp.packing import pack_first_fit_decreasing
 from tokenmdp.rl.checkpoint import (
@@ -48,14 +47,11 @@ from tokenmdp.rl.checkpoint import (
 )
 from tokenmdp.rl.config import DTYPES, TrainConfig
 from tokenmdp.rl.mismatch import (
-    ENGINE_ROUTING,
-    OLD_ROUTING,
     RoutingReplay,
     compute_old_logprobs,
-    routing_mismatch_counts,
-    training_inference_kl,
 )
 from tokenmdp.rl.run_setup import build_engine, build_estimator, build_model, carry_optimizer_state, load_init
+from tokenmdp.rl.step_stats import rollout_stats, rollout_sums
 from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
 from tokenmdp.rl.update import (
     TrainingPass,
@@ -210,36 +206,11 @@ class _Run:
             with torch.no_grad():
                 ref_RC = self.reference.token_logprobs(batch)
             batch = batch.replace(ref_logprob=ref_RC.to(self.dtype))
-        mask = batch.loss_mask
-        tokens = float(mask.sum())
-        mismatch, routed = routing_mismatch_counts(batch.token_extras[ENGINE_ROUTING],
-                                                   batch.token_extras[OLD_ROUTING])
-        reward = reward_S.double()
-        # sums over this rank, reduced over the ranks, then divided: step-wide ratios
-        sums = dict(seqs=len(responses), reward=float(reward.sum()),
-                    reward_sq=float((reward ** 2).sum()), correct=float(sum(correct)),
-                    length=float(batch.length.double().sum()), tokens=tokens,
-                    entropy=float(ent_RC[mask].double().sum()),
-                    kl_k1=training_inference_kl(batch, kind="k1") * tokens,
-                    kl_k3=training_inference_kl(batch, kind="k3") * tokens,
-                    mismatch=mismatch, routed=routed, groups=len(examples),
-                    zero_std=float(zero_std_P.sum()),
-                    all_zero=float((zero_std_P & (reward_PG[:, 0] == 0)).sum()),
-                    # ESS and χ² of π_old/μ; per sequence too when the correction acts per sequence
-                    **batch_weight_sums(batch, sequence=self._sequence_correction()))
-        g = dict(zip(sums, all_reduce_floats(list(sums.values()), device=self.device)))
-        n, t = g["seqs"], max(g["tokens"], 1.0)
-        mean_reward = g["reward"] / n
-        stats = {"reward": mean_reward,
-                 "reward_std": math.sqrt(max(g["reward_sq"] / n - mean_reward ** 2, 0.0)),
-                 "train_accuracy": g["correct"] / n, "response_length": g["length"] / n,
-                 "entropy": g["entropy"] / t, "train_infer_kl_k1": g["kl_k1"] / t,
-                 "train_infer_kl_k3": g["kl_k3"] / t,
-                 "routing_mismatch": g["mismatch"] / g["routed"] if g["routed"] else 0.0,
-                 # groups of equal rewards (zero advantage under a group baseline); TRL's name
-                 "frac_reward_zero_std": g["zero_std"] / g["groups"],
-                 "frac_reward_all_zero": g["all_zero"] / g["groups"],
-                 **diagnostics_from_sums(g)}
+        sums = rollout_sums(batch, reward_S, correct, ent_RC, groups=len(examples),
+                            zero_std=float(zero_std_P.sum()),
+                            all_zero=float((zero_std_P & (reward_PG[:, 0] == 0)).sum()),
+                            sequence=self._sequence_correction())
+        _, stats = rollout_stats(sums, self.device)
         return batch, stats
 
     def _sequence_correction(self) -> bool:

@@ -33,17 +33,14 @@ import math
 
 import torch
 
-from tokenmdp.distributed import all_reduce_floats
-from tokenmdp.estimators.corrections.diagnostics import batch_weight_sums, diagnostics_from_sums
 from tokenmdp.packing import pack_first_fit_decreasing, select_sequences
 from tokenmdp.rl.mismatch import (
     ENGINE_ROUTING,
     OLD_ROUTING,
     RoutingReplay,
     compute_old_logprobs,
-    routing_mismatch_counts,
-    training_inference_kl,
 )
+from tokenmdp.rl.step_stats import rollout_stats, rollout_sums
 from tokenmdp.tree_packing import pack_tree
 from tokenmdp.tree_schedules import parse_tree_spec
 from tokenmdp.tree_training import packed_tree_logprobs, packed_tree_outputs
@@ -143,36 +140,16 @@ def tree_rollout_step(run) -> tuple:
     batch, ent_RC = tree_logprob_passes(run.model, run.reference, batch, run.replay,
                                         forward=cfg.tree_forward,
                                         reference_pass=run.est.kl is not None)
-    mask = batch.loss_mask
-    tokens = float(mask.sum())
-    mismatch, routed = routing_mismatch_counts(batch.token_extras[ENGINE_ROUTING],
-                                               batch.token_extras[OLD_ROUTING])
-    sums = dict(seqs=len(responses), reward=float(reward.sum()),
-                reward_sq=float((reward ** 2).sum()), correct=float(sum(correct)),
-                length=float(batch.length.double().sum()), tokens=tokens,
-                entropy=float(ent_RC[mask].double().sum()),
-                kl_k1=training_inference_kl(batch, kind="k1") * tokens,
-                kl_k3=training_inference_kl(batch, kind="k3") * tokens,
-                mismatch=mismatch, routed=routed, groups=n_groups,
-                zero_std=float(zero_std_P.sum()), all_zero=float((zero_std_P & (high == 0)).sum()),
-                single=float((leaves_P == 1).sum()),
-                **{k: float(v) for k, v in tree.stats.items()},
-                **batch_weight_sums(batch, sequence=run._sequence_correction()))
-    g = dict(zip(sums, all_reduce_floats(list(sums.values()), device=run.device)))
-    n, t = g["seqs"], max(g["tokens"], 1.0)
-    mean_reward = g["reward"] / n
-    stats = {"reward": mean_reward,
-             "reward_std": math.sqrt(max(g["reward_sq"] / n - mean_reward ** 2, 0.0)),
-             "train_accuracy": g["correct"] / n, "response_length": g["length"] / n,
-             "entropy": g["entropy"] / t, "train_infer_kl_k1": g["kl_k1"] / t,
-             "train_infer_kl_k3": g["kl_k3"] / t,
-             "routing_mismatch": g["mismatch"] / g["routed"] if g["routed"] else 0.0,
-             "frac_reward_zero_std": g["zero_std"] / g["groups"],
-             "frac_reward_all_zero": g["all_zero"] / g["groups"],
-             "generated_tokens": int(g["generated_tokens"]),
-             "shared_tokens": int(g["shared_tokens"]),
-             "forward_positions": int(g["forward_positions"]),
-             "leaves_per_tree": g["leaves"] / g["groups"],
-             "frac_single_leaf_trees": g["single"] / g["groups"],
-             **diagnostics_from_sums(g)}
+    sums = rollout_sums(batch, reward_S, correct, ent_RC, groups=n_groups,
+                        zero_std=float(zero_std_P.sum()),
+                        all_zero=float((zero_std_P & (high == 0)).sum()),
+                        sequence=run._sequence_correction(),
+                        extra={"single": float((leaves_P == 1).sum()),
+                               **{k: float(v) for k, v in tree.stats.items()}})
+    g, stats = rollout_stats(sums, run.device)
+    stats.update({"generated_tokens": int(g["generated_tokens"]),
+                  "shared_tokens": int(g["shared_tokens"]),
+                  "forward_positions": int(g["forward_positions"]),
+                  "leaves_per_tree": g["leaves"] / g["groups"],
+                  "frac_single_leaf_trees": g["single"] / g["groups"]})
     return batch, stats
