@@ -290,7 +290,7 @@ def pack_tree(batch: TokenBatch, capacity: int | None = None, *,
     capacity : int, optional
         Packed row capacity ``C'``, at least the largest tree's node count (default: that
         count). Trees are placed by first-fit decreasing
-        (:func:`tokenmdp.packing.place_first_fit_decreasing`).
+        (:func:`tokenmdp.placement.place_first_fit_decreasing`).
     extras : sequence of str, default ()
         Keys of ``batch.token_extras`` that are facts of the node (routing traces such as
         ``"engine_routing"``), packed once per node and checked equal on every copy.

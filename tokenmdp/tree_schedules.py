@@ -25,7 +25,7 @@ import dataclasses
 import math
 import re
 
-__all__ = ["EntropyForks", "FixedForks", "RandomForks", "Schedule", "as_schedule",
+__all__ = ["EntropyForks", "FixedForks", "ForkRounds", "RandomForks", "Schedule", "as_schedule",
            "parse_tree_spec"]
 
 
@@ -119,8 +119,20 @@ class FixedForks:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Rounds:
-    """One chain, then rounds of ``branching[i]`` new children at ``forks[i]`` prefix states."""
+class ForkRounds:
+    """Base of the round schedules (:class:`RandomForks`, :class:`EntropyForks`): one chain,
+    then rounds of ``branching[i]`` new children at ``forks[i]`` prefix states; the subclass
+    says which states.
+
+    Parameters
+    ----------
+    forks : tuple of int
+        ``N_i >= 1``, states forked at in round ``i``.
+    branching : tuple of int
+        ``T_i >= 1``, new children of each of them.
+    """
+
+    kind = "rounds"
 
     forks: tuple[int, ...]
     branching: tuple[int, ...]
@@ -156,7 +168,7 @@ class _Rounds:
 
 
 @dataclasses.dataclass(frozen=True)
-class RandomForks(_Rounds):
+class RandomForks(ForkRounds):
     """Rounds of forks at prefix states drawn uniformly (TreeRL's random baseline).
 
     Round ``i`` draws ``N_i`` of the tree's prefix states not forked at before, uniformly
@@ -177,7 +189,7 @@ class RandomForks(_Rounds):
 
 
 @dataclasses.dataclass(frozen=True)
-class EntropyForks(_Rounds):
+class EntropyForks(ForkRounds):
     """Rounds of forks at the prefix states of highest sampler entropy (TreeRL's EPTree).
 
     As :class:`RandomForks`, but round ``i`` takes the ``N_i`` prefix states not forked at before
@@ -205,6 +217,15 @@ Schedule = FixedForks | RandomForks | EntropyForks
 def as_schedule(schedule) -> Schedule:
     """``schedule`` as a schedule object: one of this module's, or its text form
     (:func:`parse_tree_spec`, ``"none"`` refused).
+
+    Parameters
+    ----------
+    schedule : FixedForks, EntropyForks, RandomForks or str
+        A schedule, or its text form (e.g. ``"fixed:1x2"``).
+
+    Returns
+    -------
+    FixedForks, EntropyForks or RandomForks
 
     Raises
     ------

@@ -173,7 +173,7 @@ def tree_micro_batches(batch: TokenBatch, num_micro_batches: int | None = None, 
                        extras: Sequence[str] = (), atol: float = 0.0) -> list[TreeMicroBatch]:
     """Split a step's expanded tree batch into micro-batches of whole trees, each packed.
 
-    Trees are taken in their packing order (:attr:`PackedTree.tree_S`). Prepare the step first
+    Trees are taken in their packing order (``PackedTree.tree_S``). Prepare the step first
     (:func:`tokenmdp.estimators.prepare`: advantages of whole groups, the step's loss weights):
     the micro-batches' losses then sum to the step's loss, value and gradient.
 

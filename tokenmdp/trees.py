@@ -45,7 +45,7 @@ def _int_tuple(name: str, values: object) -> tuple[int, ...]:
         if values.dtype.is_floating_point or values.dim() != 1:
             raise TypeError(f"{name}: expected a 1-d integer sequence, got a tensor of dtype "
                             f"{values.dtype} and shape {tuple(values.shape)}")
-        return tuple(int(v) for v in values.tolist())
+        values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"{name}: expected a sequence of ints, got {type(values).__name__}")
     out = []
@@ -62,8 +62,7 @@ def tree_depths(parent: Sequence[int], *, name: str = "parent") -> tuple[int, ..
     Parameters
     ----------
     parent : sequence of int
-        ``parent[i]`` is node ``i``'s parent, ``-1`` for a first response token (a child of the
-        prompt).
+        ``parent[i]`` is node ``i``'s parent, ``-1`` for a child of the prompt.
     name : str
         The argument's name in error messages.
 
@@ -75,15 +74,13 @@ def tree_depths(parent: Sequence[int], *, name: str = "parent") -> tuple[int, ..
     Raises
     ------
     ValueError
-        A parent out of ``[-1, n)``, a node its own parent, or parent pointers that form a
-        cycle (naming the nodes of the cycle).
+        A parent out of ``[-1, n)``, a node its own parent, or a cycle (naming its nodes).
     """
     parent = _int_tuple(name, parent)
     n = len(parent)
     for i, p in enumerate(parent):
         if not -1 <= p < n:
-            raise ValueError(f"{name}[{i}] = {p}: a parent must be -1 (the prompt) or a node "
-                             f"in [0, {n})")
+            raise ValueError(f"{name}[{i}] = {p}: a parent is -1 (the prompt) or in [0, {n})")
         if p == i:
             raise ValueError(f"{name}[{i}] = {i}: a node cannot be its own parent")
     depth = [0] * n
@@ -138,12 +135,11 @@ class ResponseTree:
         set_(self, "prompt", _int_tuple("prompt", self.prompt))
         set_(self, "tokens", _int_tuple("tokens", self.tokens))
         set_(self, "parent", _int_tuple("parent", self.parent))
-        if not self.prompt:
-            raise ValueError("prompt: a tree needs at least one prompt token")
-        if not self.tokens:
-            raise ValueError("tokens: a tree needs at least one response node")
+        for name, what in (("prompt", "prompt token"), ("tokens", "response node")):
+            if not getattr(self, name):
+                raise ValueError(f"{name}: a tree needs at least one {what}")
         if len(self.parent) != len(self.tokens):
-            raise ValueError(f"parent: {len(self.parent)} entries for {len(self.tokens)} tokens")
+            raise ValueError(f"parent: {len(self.parent)} entries for {len(self.tokens)} nodes")
         depths = tree_depths(self.parent)
         if self.depth is not None:
             given = _int_tuple("depth", self.depth)
@@ -169,7 +165,17 @@ class ResponseTree:
         return tuple(i for i in range(len(self.tokens)) if i not in has_child)
 
     def path(self, leaf: int) -> tuple[int, ...]:
-        """The nodes from the first response token to ``leaf``."""
+        """The nodes from the first response token to ``leaf`` (a leaf, or any node).
+
+        Parameters
+        ----------
+        leaf : int
+            The last node.
+
+        Returns
+        -------
+        tuple of int
+        """
         out, node = [], leaf
         while node != -1:
             out.append(node)
@@ -177,7 +183,12 @@ class ResponseTree:
         return tuple(reversed(out))
 
     def responses(self) -> list[list[int]]:
-        """The token ids of each leaf's response, in :attr:`leaves` order."""
+        """The token ids of each leaf's response, in :attr:`leaves` order.
+
+        Returns
+        -------
+        list of list of int
+        """
         return [[self.tokens[v] for v in self.path(leaf)] for leaf in self.leaves]
 
     @property
@@ -226,11 +237,10 @@ def batch_from_trees(trees: Sequence[ResponseTree], *, groups: Sequence[int] | N
     groups = list(range(n)) if groups is None else list(_int_tuple("groups", groups))
     prompt_index = groups if prompt_index is None else list(_int_tuple("prompt_index",
                                                                        prompt_index))
-    for name, values in (("groups", groups), ("prompt_index", prompt_index)):
+    for name, values in (("groups", groups), ("prompt_index", prompt_index),
+                         ("behavior_logprobs", behavior_logprobs or [None] * n)):
         if len(values) != n:
             raise ValueError(f"{name}: {len(values)} entries for {n} trees")
-    if behavior_logprobs is not None and len(behavior_logprobs) != n:
-        raise ValueError(f"behavior_logprobs: {len(behavior_logprobs)} entries for {n} trees")
     prompts, responses, rewards, seq_groups, seq_prompts, nodes, mus = [], [], [], [], [], [], []
     offset = 0
     for k, tree in enumerate(trees):
@@ -264,7 +274,7 @@ def batch_from_trees(trees: Sequence[ResponseTree], *, groups: Sequence[int] | N
 
 
 class TreeStructure(NamedTuple):
-    """The nodes of a batch's trees (:func:`tree_structure`), compacted to ``0 .. N-1``.
+    """The nodes of a batch's trees (:func:`tree_structure`), numbered from 0 to N − 1.
 
     Parameters
     ----------
@@ -324,15 +334,13 @@ def tree_structure(batch: TokenBatch) -> TreeStructure:
     ------
     ValueError
         No node ids, ids of the wrong shape or sign, or one id on tokens that are not one
-        transition: different tokens, positions, previous nodes (a path that skips a level or
-        joins another branch) or groups.
+        transition (other tokens, positions, previous nodes or groups).
     """
     if not isinstance(batch, TokenBatch):
         raise TypeError(f"batch: expected a TokenBatch, got {type(batch).__name__}")
     ids = batch.token_extras.get(TREE_NODE)
     if ids is None:
-        raise ValueError(f"batch: no token_extras[{TREE_NODE!r}]; build it with "
-                         "batch_from_trees or a tree rollout")
+        raise ValueError(f"batch: no token_extras[{TREE_NODE!r}] (batch_from_trees writes it)")
     if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"token_extras[{TREE_NODE!r}]: expected an integer tensor [R, C], got "
                          f"{ids.dtype} {tuple(ids.shape)}")

@@ -156,7 +156,7 @@ def tree_attention_mask(tree_end_RC: torch.Tensor) -> torch.Tensor:
     ----------
     tree_end_RC : LongTensor ``[R, C]``
         One past the last column of each slot's subtree
-        (:attr:`tokenmdp.tree_packing.PackedTree.tree_end_RC`).
+        (a :class:`~tokenmdp.tree_packing.PackedTree`'s ``tree_end_RC``).
 
     Returns
     -------

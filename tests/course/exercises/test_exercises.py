@@ -19,6 +19,7 @@ from tests.course.exercises.answers_07 import RIGHT_07, WRONG_07
 from tests.course.exercises.answers_08 import RIGHT_08, WRONG_08
 from tests.course.exercises.answers_09 import RIGHT_09, WRONG_09
 from tests.course.exercises.answers_10 import RIGHT_10, WRONG_10
+from tests.course.exercises.answers_11 import RIGHT_11, WRONG_11
 from tokenmdp.batch import TokenBatch
 from tokenmdp.course import exercises
 from tokenmdp.course.exercises import t06
@@ -145,6 +146,8 @@ RIGHT.update(RIGHT_09)      # tutorial 9: tests/course/exercises/answers_09.py
 WRONG.update(WRONG_09)
 RIGHT.update(RIGHT_10)      # tutorial 10: tests/course/exercises/answers_10.py
 WRONG.update(WRONG_10)
+RIGHT.update(RIGHT_11)      # tutorial 11: tests/course/exercises/answers_11.py
+WRONG.update(WRONG_11)
 
 
 def test_every_registered_exercise_has_a_right_and_a_wrong_answer_here():

@@ -17,6 +17,7 @@ from tests.course.exercises.answers_07 import PREDICT_07
 from tests.course.exercises.answers_08 import PREDICT_08
 from tests.course.exercises.answers_09 import PREDICT_09
 from tests.course.exercises.answers_10 import PREDICT_10
+from tests.course.exercises.answers_11 import PREDICT_11
 from tests.course.exercises.test_exercises import RIGHT, _gap_by_lemma
 from tokenmdp.course import exercises
 from tokenmdp.course.exercises.registry import _prediction
@@ -30,7 +31,8 @@ PREDICT_06 = {
     # the cosine of E[ĝ] summed over every pair by autograd of the library's loss
     "tr06_predict_gspo_sign": lambda: "negative" if RIGHT["tr06_gspo_cosine"]() < 0 else "positive",
 }
-PREDICT = {**PREDICT_01_05, **PREDICT_06, **PREDICT_07, **PREDICT_08, **PREDICT_09, **PREDICT_10}
+PREDICT = {**PREDICT_01_05, **PREDICT_06, **PREDICT_07, **PREDICT_08, **PREDICT_09, **PREDICT_10,
+           **PREDICT_11}
 
 
 def test_every_prediction_has_an_independent_answer_here():

@@ -113,7 +113,7 @@ def _check_penalty(penalty_RC: torch.Tensor, batch: TokenBatch, who: str) -> Non
 
 class TreeAdvantage(TokenAdvantage, metaclass=abc.ABCMeta):
     """Base of the token-level tree parts (abstract): ``needs_tree``; whole trees, no batch
-    statistic; a subclass defines :meth:`tree_advantages`.
+    statistic; a subclass defines ``tree_advantages``.
 
     ``group_local``: a token's advantage depends on its own tree only, so any holder of whole
     trees computes it. ``couples_sequences``: it depends on the other leaves through the tree's

@@ -83,7 +83,20 @@ class TreeStepGradients(StepGradients):
         self._nodes: torch.Tensor | None = None
 
     def coefficients(self, packed: torch.Tensor, **kwargs):
-        """:meth:`StepGradients.coefficients` of packed tree rows ``[D, n + n * L]``."""
+        """:meth:`StepGradients.coefficients` of packed tree rows ``[D, n + n * L]``.
+
+        Parameters
+        ----------
+        packed : LongTensor ``[D, n + n * L]``
+            Per tree draw, its ``n`` leaves' response indices, then each leaf's ``L`` node ids.
+        **kwargs
+            Passed on to :meth:`StepGradients.coefficients`.
+
+        Returns
+        -------
+        Tensor
+            What :meth:`StepGradients.coefficients` returns for the leaves.
+        """
         n, L = self.group_size, self.mdp.max_len
         if packed.dim() != 2 or packed.shape[1] != n * (1 + L):
             raise ValueError(f"packed: expected [D, {n * (1 + L)}] rows of {n}-leaf trees, got "

@@ -91,8 +91,18 @@ class TreeLaw:
         return len(self.trees)
 
     def expected(self, what: str) -> float:
-        """``E[generated tokens]`` (``"generated_tokens"``: nodes), ``E[expanded tokens]``
-        (``"expanded_tokens"``: the leaves' response tokens) or ``E[leaves]`` (``"leaves"``)."""
+        """An expected count per tree under the law.
+
+        Parameters
+        ----------
+        what : {"generated_tokens", "expanded_tokens", "leaves"}
+            ``E[generated tokens]`` (nodes), ``E[expanded tokens]`` (the leaves' response
+            tokens) or ``E[leaves]``.
+
+        Returns
+        -------
+        float
+        """
         return float(self.prob @ _per_tree(self.trees, what))
 
     def leaf_marginal(self, weights: str = "slots") -> torch.Tensor:

@@ -55,9 +55,10 @@ DEFAULT_SEED = 0
 class TreeMoments(Moments):
     """:class:`~tokenmdp.exact.Moments` of one step's gradient, with the step's cost.
 
+    Its parameters are :class:`~tokenmdp.exact.Moments`' and the following.
+
     Parameters
     ----------
-    (those of Moments), and
     generated_tokens : float
         Expected tokens the sampler generates per step (a tree's nodes, shared prefixes once;
         an i.i.d. group's ``Σ|y_i|``).
@@ -165,7 +166,19 @@ class TreeWorkspace:
                                   * mdp.prompt_probs[mdp.terminal_prompt_index]).sum())
 
     def law(self, schedule, *, max_trees: int = MAX_TREES) -> TreeLaw:
-        """The exact law of ``schedule``'s trees under ``μ`` (computed once)."""
+        """The exact law of ``schedule``'s trees under ``μ`` (computed once, then reused).
+
+        Parameters
+        ----------
+        schedule : FixedForks, EntropyForks, RandomForks or str
+            The fork schedule (or its text form).
+        max_trees : int
+            The most trees the law may hold (:func:`tree_law`).
+
+        Returns
+        -------
+        TreeLaw
+        """
         schedule = as_schedule(schedule)
         if schedule not in self._laws:
             self._laws[schedule] = tree_law(self.mdp, self.behavior, schedule,

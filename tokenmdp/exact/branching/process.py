@@ -70,23 +70,47 @@ class StateTable:
         self._rpp = mdp.responses_per_prompt
 
     def state(self, p: int, k: int, code: int) -> int:
-        """Global id of the state of prompt ``p`` after the ``k`` tokens of prefix ``code``."""
+        """Global id of the state of prompt ``p`` after the ``k`` tokens of prefix ``code``.
+
+        Parameters
+        ----------
+        p, k, code : int
+            Prompt, tokens so far, and the prefix's base-``V`` code.
+
+        Returns
+        -------
+        int
+        """
         return self.mdp.level_offsets[k] + p * self.mdp.branching ** k + code
 
     def terminal(self, p: int, k: int, code: int) -> int:
         """Enumeration row of the response of ``k`` non-EOS tokens (prefix ``code``) then EOS,
-        or truncated when ``k = L``."""
+        or truncated when ``k = L``.
+
+        Parameters
+        ----------
+        p, k, code : int
+            Prompt, non-EOS tokens, and the prefix's base-``V`` code.
+
+        Returns
+        -------
+        int
+        """
         return p * self._rpp + self._block[k] + code
 
 
 class Grown:
     """A tree being grown: nodes in creation order (see the module docstring).
 
-    Attributes
+    Parameters
     ----------
     prompt_index : int
+        The prompt the tree answers.
     eos : int
         The MDP's EOS token.
+
+    Attributes
+    ----------
     tokens, parent : list of int
         Each node's token and parent (``-1``: the prompt).
     logp : list of float
@@ -124,20 +148,40 @@ class Grown:
         return len(self.tokens) - 1
 
     def leaves(self) -> list[int]:
-        """Nodes without children, in creation order."""
+        """Nodes without children, in creation order.
+
+        Returns
+        -------
+        list of int
+        """
         return [v for v, c in enumerate(self.has_child) if not c]
 
     def response_tree(self, mdp: TokenMDP) -> ResponseTree:
-        """The tree as a :class:`~tokenmdp.trees.ResponseTree`, its leaves' rewards from the
-        MDP's reward table."""
+        """The tree as a :class:`~tokenmdp.trees.ResponseTree`.
+
+        Parameters
+        ----------
+        mdp : TokenMDP
+            Whose reward table gives the leaves' rewards.
+
+        Returns
+        -------
+        ResponseTree
+        """
         rewards = mdp.rewards
         return ResponseTree(mdp.prompts[self.prompt_index], self.tokens, self.parent,
                             depth=self.depth,
                             reward=[float(rewards[self.leaf_row[v]]) for v in self.leaves()])
 
     def canonical(self) -> tuple:
-        """The tree up to the order of siblings: ``(prompt, children of the prompt)``, where a
-        node's children are the sorted tuple of ``(token, children)`` of each child."""
+        """The tree up to the order of siblings.
+
+        Returns
+        -------
+        tuple
+            ``(prompt, children of the prompt)``, where a node's children are the sorted tuple
+            of ``(token, children)`` of each child.
+        """
         children: dict[int, list[int]] = {}
         for v, p in enumerate(self.parent):
             children.setdefault(p, []).append(v)
@@ -147,7 +191,17 @@ class Grown:
         return (self.prompt_index, key(-1))
 
     def path(self, node: int) -> list[int]:
-        """The nodes from the first response token to ``node``."""
+        """The nodes from the first response token to ``node``.
+
+        Parameters
+        ----------
+        node : int
+            The last node.
+
+        Returns
+        -------
+        list of int
+        """
         out = []
         while node != -1:
             out.append(node)

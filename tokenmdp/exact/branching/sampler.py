@@ -101,8 +101,14 @@ class TreeSample:
         return torch.tensor([len(g.tokens) for g in self.grown], dtype=torch.long)
 
     def batch(self) -> TokenBatch:
-        """The expanded float64 batch: one sequence per leaf, one group per tree,
-        ``token_extras["tree_node"]`` and ``behavior_logprob`` (:func:`~tokenmdp.trees.batch_from_trees`)."""
+        """The expanded float64 batch (:func:`~tokenmdp.trees.batch_from_trees`).
+
+        Returns
+        -------
+        TokenBatch
+            One sequence per leaf, one group per tree, ``token_extras["tree_node"]`` and
+            ``behavior_logprob``.
+        """
         return batch_from_trees(self.trees, prompt_index=self.prompt_index,
                                 behavior_logprobs=self.behavior_logprobs)
 
