@@ -20,6 +20,16 @@ of the trainer's ``minirl`` and ``minirl_no_is`` at its ``σ`` (the variances di
 fresh-noise weight varies given the token). ``noise="fixed"`` instead draws one perturbation per
 (state, position), a systematic bias (the model of ``benchmarks/lattice.py``).
 
+The engine mismatch modes (issue 31; :func:`engine_row`): ``μ`` is the lattice's engine copy
+(:func:`tokenmdp.exact.lattice.inference_copy` with a ``fixed``, ``heavy`` or ``growing``
+:class:`~tokenmdp.exact.EngineMismatch`) of the same ``π``, its dial (the scale of
+``fixed`` and ``growing``, the fraction of ``heavy`` at the trainer's offset) set by bisection so
+that the per-token ``KL(μ ‖ π)`` under ``μ`` is the trainer's measured one. The dial cannot be
+copied as it is: the trainer's contexts differ in every prompt, so a share ``p`` of perturbed
+pairs is a share ``p`` of the tokens, while the lattice models one prompt, whose ``L + 2``
+reachable states hold a handful of pairs. ``minirl_seq_tis`` has no lattice form (its weight is a
+product over the response) and is computed by the lattice's Monte Carlo (``method``).
+
 Reported per (L, σ): ``E_ε KL(μ_ε ‖ π)`` per token (what the trainer's k3 estimates),
 ``J(π)`` and ``J(μ̄)``, and per estimator the cosine of the exact mean gradient with ``∇J``, its
 projection on ``∇J`` relative to ``‖∇J‖²`` (the first-order progress per unit learning rate,
@@ -41,6 +51,8 @@ VOCAB = 17
 ESTIMATORS = ("minirl", "minirl_no_is", "minirl_len_norm")
 TRUNCATION = 5.0
 """MiniRL's cap of the token weight ``π_old/μ`` (and of the sequence weight of ``sequence_tis``)."""
+STUDY_ESTIMATORS = ("minirl", "minirl_no_is", "minirl_len_norm", "minirl_seq_tis")
+"""What :func:`engine_row` computes (the study's on-policy estimators)."""
 FRESH_ESTIMATORS = ("minirl", "minirl_no_is", "sequence_tis")
 """What :func:`fresh_noise_moments` samples (``sequence_tis``: MiniRL, sequence-level weight)."""
 
@@ -122,6 +134,63 @@ def exact_row(length: int, sigma: float, *, entropy: float = 0.08, group_size: i
         g, mean = m.true_gradient, m.mean
         row[name] = {"cosine": float(m.cosine),
                      "progress": float(mean @ g / (g @ g)),
+                     "snr": float(mean @ mean / max(m.total_variance, 1e-300)),
+                     "method": m.method}
+    return row
+
+
+def matched_copy(mdp, pi, mode: str, scale: float, kl_target: float, *, iterations: int = 30,
+                 seeds: int = 8):
+    """The lattice's engine copy of ``pi`` in ``mode`` whose per-token ``KL(μ ‖ π)`` (under
+    ``μ``) is ``kl_target``: bisection in log space on the scale (``fixed``, ``growing``; pattern
+    seed 0) or on the fraction at offset ``scale`` (``heavy``, whose KL jumps as pairs join the
+    pattern: the side of the jump nearest the target, over pattern seeds ``0 .. seeds - 1``).
+
+    Returns
+    -------
+    (LatticePolicy, EngineMismatch, float)
+        ``μ``, its mismatch and its per-token KL.
+    """
+    from tokenmdp.exact import EngineMismatch
+
+    def copy(x, seed):
+        mm = (EngineMismatch(mode, scale, min(x, 1.0), seed) if mode == "heavy"
+              else EngineMismatch(mode, x, 1.0, seed))
+        mu = L.inference_copy(pi, mismatch=mm)
+        with torch.no_grad():
+            kl = float(L.sequence_kl(mdp, mu, pi)) / float(L.expected_length(mdp, mu))
+        return mu, mm, kl
+
+    best = None
+    for seed in range(seeds if mode == "heavy" else 1):
+        lo, hi = (1e-6, 1.0) if mode == "heavy" else (1e-4, 10.0)
+        for _ in range(iterations):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if copy(mid, seed)[2] < kl_target else (lo, mid)
+        for side in (copy(lo, seed), copy(hi, seed)):
+            gap = abs(math.log(max(side[2], 1e-300) / kl_target))
+            if best is None or gap < best[0]:
+                best = (gap, side)
+    return best[1]
+
+
+def engine_row(length: int, mode: str, scale: float, kl_target: float, *,
+               entropy: float = 0.08, group_size: int = 16,
+               names: tuple[str, ...] = STUDY_ESTIMATORS) -> dict:
+    """The exact world at one of the study's engines (module docstring): ``μ`` from
+    :func:`matched_copy` at ``kl_target``; ``J`` of ``π`` and ``μ``; per estimator the cosine with
+    ``∇J``, the relative progress along it and the signal-to-noise ratio of its mean gradient
+    (on-policy, ``θ = θ_old``), and how they were computed (``method``)."""
+    mdp, pi, _, _ = trainer_world(length, margin_for_entropy(entropy), 0.0, draws=1000)
+    mu, mm, kl = matched_copy(mdp, pi, mode, scale, kl_target)
+    with torch.no_grad():
+        row = {"L": length, "mode": mode, "scale": mm.scale, "fraction": mm.fraction,
+               "kl_target": kl_target, "kl": kl, "J_pi": float(L.objective(mdp, pi)),
+               "J_mu": float(L.objective(mdp, mu))}
+    for name in names:
+        m = L.moments(mdp, pi, estimators.get(name), group_size=group_size, behavior=mu, old=pi)
+        g, mean = m.true_gradient, m.mean
+        row[name] = {"cosine": float(m.cosine), "progress": float(mean @ g / (g @ g)),
                      "snr": float(mean @ mean / max(m.total_variance, 1e-300)),
                      "method": m.method}
     return row

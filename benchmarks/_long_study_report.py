@@ -1,43 +1,30 @@
-"""The long-answer study's report: per-run summaries, the tables (mean ± SE over seeds, each row
-beside the exact world's prediction at its length and dial), the diagnostics of the
-training-inference correction, the phase diagram and the figures (``long_study.py`` is the
-entry point; its docstring describes the study)."""
+"""The long-answer study's report: per-run summaries, the tables (mean ± SE over seeds, each
+on-policy row beside the exact world's prediction at its length and engine), the collapse counts
+and their tests, the learning-rate and clip sweep, the cold starts and the figures
+(``long_study.py`` is the entry point; its docstring describes the study)."""
 
 from __future__ import annotations
 
 import csv
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _long_study_runs import PHASE_ESTIMATORS, ROOM_GROUP, phase_cell  # noqa: E402
-from replay_study import _smooth  # noqa: E402
-
-COLLAPSE_DROP = 0.5
-"""A phase-diagram cell collapses when its mean held-out accuracy ends this far below SFT's."""
-CURVES = (("eval_accuracy", "held-out accuracy"), ("entropy", "entropy"),
+COLLAPSE_FRACTION = 0.5
+"""A run *collapses* when its final held-out accuracy is below this share of its start's (the
+SFT checkpoint's by the run's own engine, at T = 1)."""
+CURVES = (("eval_accuracy", "held-out accuracy (T = 1)"), ("entropy", "entropy"),
           ("train_infer_kl_k3", "train-inference KL k3"), ("clip_fraction", "clip fraction"),
           ("grad_norm", "grad norm (before clip)"))
-SUMMARY = (("final acc", "final_acc", "{:.3f}"), ("Δ acc vs SFT", "gain", "{:+.3f}"),
-           ("best acc", "best_acc", "{:.3f}"), ("reward last 1/4", "reward_last", "{:.3f}"),
-           ("reward drop", "reward_drop", "{:.3f}"), ("TI-KL k3", "kl_k3", "{:.2e}"),
-           ("routing mismatch", "routing_mismatch", "{:.4f}"),
+SUMMARY = (("start acc", "sft_acc", "{:.3f}"), ("final acc", "final_acc", "{:.3f}"),
+           ("Δ acc", "gain", "{:+.3f}"), ("reward last 1/4", "reward_last", "{:.3f}"),
+           ("TI-KL k3", "kl_k3", "{:.1e}"), ("routing mismatch", "routing_mismatch", "{:.4f}"),
            ("clip frac", "clip_fraction", "{:.4f}"), ("grad norm", "grad_norm", "{:.2f}"),
            ("entropy last", "entropy_last", "{:.3f}"))
-BLAME = (("low tokens", "low_token_fraction", "{:.4f}"),
-         ("π_old/μ at low (geo mean)", "w_low_geomean", "{:.3f}"),
-         ("π_old/μ at high (mean)", "w_high_mean", "{:.4f}"),
-         ("neg. push on low", "neg_push_low_share", "{:.3f}"),
-         ("failed with a low token", "failed_low_fraction", "{:.3f}"),
-         ("passed with a low token", "passed_low_fraction", "{:.3f}"),
-         ("token ESS", "is_ess", "{:.3f}"),
-         ("log Π π_old/μ: mean", "seq_logw_mean", "{:+.2f}"),
-         ("… its std", "seq_logw_std", "{:.2f}"))
-"""The correction's diagnostics (:func:`tokenmdp.rl.update.blame_stats`, ``is_ess``), as the
-mean over the first quarter of each run's steps (before a collapse changes the policy)."""
+EARLY = ("train_infer_kl_k3", "is_ess", "seq_logw_std")
+"""Per-step metrics averaged over the first quarter of each run (before a collapse changes the
+policy): the training-inference KL, the token ESS, the spread of the sequence log-weight."""
 
 
 def mean_se(values) -> tuple[float, float]:
@@ -56,63 +43,89 @@ def _pm(values, fmt: str) -> str:
 
 
 def early_diagnostics(rows: list[dict]) -> dict:
-    """Each key of :data:`BLAME`: its mean over the first quarter of ``rows`` (NaN if absent)."""
-    part = rows[:max(len(rows) // 4, 1)]
+    """Each key of :data:`EARLY`: its mean over the first quarter of ``rows`` (NaN if absent);
+    and the training-inference KL's over the last quarter (``late_train_infer_kl_k3``: has the
+    mismatch grown?)."""
+    part, late = rows[:max(len(rows) // 4, 1)], rows[-max(len(rows) // 4, 1):]
     out = {}
-    for _, key, _ in BLAME:
+    for key in EARLY:
         vals = [r[key] for r in part if r.get(key) is not None]
-        out[f"d_{key}"] = float(np.mean(vals)) if vals else float("nan")
+        out[f"early_{key}"] = float(np.mean(vals)) if vals else float("nan")
+    vals = [r["train_infer_kl_k3"] for r in late if r.get("train_infer_kl_k3") is not None]
+    out["late_train_infer_kl_k3"] = float(np.mean(vals)) if vals else float("nan")
     return out
 
 
+def collapsed(result: dict) -> bool:
+    """Whether a run collapsed (:data:`COLLAPSE_FRACTION`); a run without an evaluation did."""
+    final = result["final_acc"]
+    return bool(math.isnan(final) or final < COLLAPSE_FRACTION * result["sft_acc"])
+
+
+def fisher_p(a: tuple[int, int], b: tuple[int, int]) -> float:
+    """Two-sided Fisher's exact test of collapse counts ``(collapsed, runs)`` of two rows."""
+    from scipy.stats import fisher_exact
+
+    return float(fisher_exact([[a[0], a[1] - a[0]], [b[0], b[1] - b[0]]])[1])
+
+
+def _rows(results: list[dict]) -> dict[str, list[dict]]:
+    return {n: [r for r in results if r["name"] == n]
+            for n in dict.fromkeys(r["name"] for r in results)}
+
+
+def _count(rs: list[dict]) -> tuple[int, int]:
+    return sum(collapsed(r) for r in rs), len(rs)
+
+
 def exact_cell(exact: dict, spec: dict) -> str:
-    """The exact world's prediction for a run: cosine to ``∇J`` and relative progress of its
-    estimator's exact mean gradient at the run's ``L`` and ``σ`` (``-`` where none exists)."""
-    row = exact.get((spec["length"], spec["sigma"]))
+    """The exact world's prediction for an on-policy run at its ``(L, arm)``: cosine of the
+    estimator's exact mean gradient with ``∇J``, its relative progress and its SNR."""
+    row = exact.get((spec["length"], spec["arm"]))
     if row is None or spec["minibatches"] != 1 or spec["estimator"] not in row:
         return "-"
     e = row[spec["estimator"]]
-    text = f"cos {e['cosine']:.3f}, progress {e['progress']:.2f}, SNR {e['snr']:.1e}"
-    if "fresh" in e:
-        text += f"; fresh noise: SNR {e['fresh']['snr']:.1e}"
-    return text
+    mc = "" if e["method"] == "lattice" else " (MC)"
+    return f"cos {e['cosine']:.3f}, prog. {e['progress']:.2f}, SNR {e['snr']:.1e}{mc}"
 
 
 def write_tables(out: Path, results: list[dict], header: str, exact: dict) -> str:
-    """``results.md`` (the summary over seeds, the diagnostics) and ``results.csv``; the text."""
-    names = list(dict.fromkeys(r["name"] for r in results))
-    lines = [header, "", f"Mean ± standard error over seeds {sorted({r['seed'] for r in results})}"
-             " (Δ acc: final held-out accuracy minus the SFT checkpoint's, both by the run's engine"
-             " and evaluation temperature). *exact*: the exact world at the row's L and σ "
-             "(`_long_study_exact.py`: cosine of the estimator's exact mean gradient with ∇J, "
-             "its progress along ∇J relative to exact ascent, its signal-to-noise ratio).", "",
-             "| group | run | L | σ | " + " | ".join(c[0] for c in SUMMARY) +
-             " | skipped | exact |", "|" + "---|" * (len(SUMMARY) + 6)]
-    for name in names:
-        rs = [r for r in results if r["name"] == name]
+    """``results.md``'s tables (every row; the comparisons; the sweep; the cold starts) and
+    ``results.csv``; returns the text."""
+    rows = _rows(results)
+    seeds = sorted({r["seed"] for r in results})
+    lines = [header, "", f"Mean ± standard error over seeds (seeds {seeds[0]}–{seeds[-1]}; each "
+             "row's count in *collapsed*). Δ acc: final held-out accuracy minus the SFT "
+             "checkpoint's, both by the run's engine at T = 1; *collapsed*: final accuracy below "
+             f"{COLLAPSE_FRACTION:g} × the start's. *exact*: the exact world at the row's L and "
+             "engine (`_long_study_exact.engine_row`).", "",
+             "| group | run | L | engine | lr | clip | " + " | ".join(c[0] for c in SUMMARY) +
+             " | collapsed | skipped | exact |", "|" + "---|" * (len(SUMMARY) + 9)]
+    for rs in rows.values():
+        r0 = rs[0]
         cells = [_pm([r[key] for r in rs], fmt) for _, key, fmt in SUMMARY]
-        lines.append(f"| {rs[0]['group']} | {rs[0]['label']} | {rs[0]['length']} | "
-                     f"{rs[0]['sigma']:g} | " + " | ".join(cells) +
-                     f" | {sum(r['skipped'] for r in rs)} | {exact_cell(exact, rs[0])} |")
-    lines += ["", "## The training-inference correction, measured (first quarter of the steps)",
-              "", "A token is *low* when π_old gives the sampled token less than 1/2; *neg. push "
-              "on low*: the share of the negative-advantage push |φ| (1 − π_old(a)) of the "
-              "update at θ_old that lands on low tokens.", "",
-              "| run | L | σ | " + " | ".join(c[0] for c in BLAME) + " |",
-              "|" + "---|" * (len(BLAME) + 3)]
-    for name in names:
-        rs = [r for r in results if r["name"] == name]
-        if rs[0]["minibatches"] != 1 or rs[0]["group"] == "phase":
-            continue
-        lines.append(f"| {rs[0]['label']} ({rs[0]['group']}) | {rs[0]['length']} | "
-                     f"{rs[0]['sigma']:g} | " +
-                     " | ".join(_pm([r[f"d_{k}"] for r in rs], f) for _, k, f in BLAME) + " |")
+        k, n = _count(rs)
+        lines.append(f"| {r0['group']} | {r0['label']} | {r0['length']} | {r0['arm']} | "
+                     f"{r0['lr']:g} | {r0['grad_clip']:g} | " + " | ".join(cells) +
+                     f" | {k}/{n} | {sum(r['skipped'] for r in rs)} | {exact_cell(exact, r0)} |")
+    lines += ["", "## Comparisons", "", "Δ acc difference (second minus first, ± the two SEs "
+              "combined) and Fisher's exact test of the collapse counts (two-sided).", "",
+              "| first | second | Δ acc (first) | Δ acc (second) | difference | collapsed | "
+              "Fisher p |", "|---|---|---|---|---|---|---|"]
+    for a, b in comparisons(rows):
+        ma, sa = mean_se([r["gain"] for r in rows[a]])
+        mb, sb = mean_se([r["gain"] for r in rows[b]])
+        ka, kb = _count(rows[a]), _count(rows[b])
+        lines.append(f"| {a} | {b} | {ma:+.3f} ± {sa:.3f} | {mb:+.3f} ± {sb:.3f} | "
+                     f"{mb - ma:+.3f} ± {math.hypot(sa, sb):.3f} | {ka[0]}/{ka[1]} vs "
+                     f"{kb[0]}/{kb[1]} | {fisher_p(ka, kb):.3f} |")
+    lines += sweep_table(rows) + coldstart_table(rows) + early_table(rows)
     text = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(text)
-    keys = (["name", "seed", "length", "sigma", "eval_temperature", "sft_acc", "gain", "steps",
-             "final_acc", "final_se", "best_acc", "reward_last", "reward_drop", "kl_k1", "kl_k3",
-             "routing_mismatch", "clip_fraction", "grad_norm", "grad_norm_max", "entropy_last",
-             "skipped", "wall_s", "error"] + [f"d_{k}" for _, k, _ in BLAME])
+    keys = (["name", "seed", "length", "arm", "estimator", "minibatches", "replay", "lr",
+             "grad_clip", "target", "sft_acc", "gain", "steps", "final_acc", "final_se",
+             "best_acc", "reward_last", "reward_drop", "kl_k1", "kl_k3", "routing_mismatch",
+             "clip_fraction", "grad_norm", "grad_norm_max", "entropy_last", "skipped", "wall_s",
+             "error"] + [f"early_{k}" for k in EARLY] + ["late_train_infer_kl_k3"])
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(keys)
@@ -120,41 +133,119 @@ def write_tables(out: Path, results: list[dict], header: str, exact: dict) -> st
     return text
 
 
-def exact_markdown(exact_rows: list[dict], table: str) -> str:
+def comparisons(rows: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """The pairs the findings rest on, among the rows present: on-policy MiniRL against each
+    ablation (per engine and length), off-policy N = 2 against N = 4 and 8 (per replay), R2
+    against R3 (per N, and in the routing group), and the best cold start against the others."""
+    pairs, names = [], list(rows)
+
+    def add(a, b):
+        if a in rows and b in rows:
+            pairs.append((a, b))
+
+    for name in names:
+        for prefix in ("onpolicy_", "length"):
+            if name.startswith(prefix) and name.endswith("_minirl"):
+                for est in ("minirl_no_is", "minirl_len_norm", "minirl_seq_tis"):
+                    add(name, name[:-len("minirl")] + est)
+    for replay in ("none", "r2", "r3"):
+        for n in (4, 8):
+            add(f"offpolicy_n2_{replay}", f"offpolicy_n{n}_{replay}")
+    for prefix in sorted({n.rsplit("_", 1)[0] for n in names
+                          if n.startswith(("offpolicy_n", "routing_n"))}):
+        add(f"{prefix}_r2", f"{prefix}_r3")
+        add(f"{prefix}_none", f"{prefix}_r3")
+    cold = [n for n in names if n.startswith("coldstart_t")]
+    if cold:
+        best = max(cold, key=lambda n: rows[n][0]["target"])
+        for n in cold:
+            if n != best:
+                add(best, n)
+    return pairs
+
+
+def sweep_table(rows: dict[str, list[dict]]) -> list[str]:
+    """The learning-rate and gradient-clip sweep: per (N, lr, clip) the collapse count, Δ acc
+    and the train reward of the last quarter."""
+    sweep = {n: rs for n, rs in rows.items() if rs[0]["group"] == "sweep"}
+    if not sweep:
+        return []
+    lines = ["", "## Learning-rate and clip sweep (off-policy, no replay)", "",
+             "| N | lr | clip | alive | Δ acc | final acc | reward last 1/4 | clip frac |",
+             "|---|---|---|---|---|---|---|---|"]
+    for rs in sweep.values():
+        k, n = _count(rs)
+        r0 = rs[0]
+        lines.append(f"| {r0['minibatches']} | {r0['lr']:g} | {r0['grad_clip']:g} | {n - k}/{n} | "
+                     f"{_pm([r['gain'] for r in rs], '{:+.3f}')} | "
+                     f"{_pm([r['final_acc'] for r in rs], '{:.3f}')} | "
+                     f"{_pm([r['reward_last'] for r in rs], '{:.3f}')} | "
+                     f"{_pm([r['clip_fraction'] for r in rs], '{:.4f}')} |")
+    return lines
+
+
+def coldstart_table(rows: dict[str, list[dict]]) -> list[str]:
+    """The cold starts: per SFT start its steps and accuracy, the final accuracy, the collapse
+    count with Fisher's p against the best start, and the spread of the starts' means at the
+    start and at the end (do they converge?)."""
+    cold = {n: rs for n, rs in rows.items() if rs[0]["group"] == "cold start"}
+    if not cold:
+        return []
+    best = max(cold, key=lambda n: cold[n][0]["target"])
+    lines = ["", "## Cold starts (one recipe, three SFT starts)", "",
+             "| SFT target | SFT steps | start acc | final acc | Δ acc | best acc | collapsed | "
+             "Fisher p vs best start |", "|---|---|---|---|---|---|---|---|"]
+    for name, rs in cold.items():
+        k = _count(rs)
+        lines.append(f"| {rs[0]['target']:g} | {rs[0].get('sft_steps', '-')} | "
+                     f"{rs[0]['sft_acc']:.3f} | {_pm([r['final_acc'] for r in rs], '{:.3f}')} | "
+                     f"{_pm([r['gain'] for r in rs], '{:+.3f}')} | "
+                     f"{_pm([r['best_acc'] for r in rs], '{:.3f}')} | {k[0]}/{k[1]} | "
+                     f"{'-' if name == best else f'{fisher_p(_count(cold[best]), k):.3f}'} |")
+    starts = [rs[0]["sft_acc"] for rs in cold.values()]
+    finals = [mean_se([r["final_acc"] for r in rs])[0] for rs in cold.values()]
+    lines += ["", f"Spread of the starts (largest minus smallest mean accuracy): at the start "
+              f"{max(starts) - min(starts):.3f}, at the end {max(finals) - min(finals):.3f}."]
+    return lines
+
+
+def early_table(rows: dict[str, list[dict]]) -> list[str]:
+    """The first quarter of each row: the training-inference KL, token ESS and the spread of
+    the sequence log-weight (what the correction faces)."""
+    lines = ["", "## The mismatch, first quarter of the steps (and the KL in the last)", "",
+             "| run | engine | TI-KL k3 | token ESS | std of log Π π_old/μ | TI-KL k3, last 1/4 |",
+             "|---|---|---|---|---|---|"]
+    for name, rs in rows.items():
+        lines.append(f"| {name} | {rs[0]['arm']} | "
+                     + " | ".join(_pm([r[f"early_{k}"] for r in rs], f)
+                                  for k, f in zip(EARLY, ("{:.1e}", "{:.4f}", "{:.3f}"))) +
+                     f" | {_pm([r['late_train_infer_kl_k3'] for r in rs], '{:.1e}')} |")
+    return lines
+
+
+def exact_markdown(exact: dict) -> str:
     """The exact world's section of ``results.md``."""
-    return ("\n## The exact world at the trainer's mismatch and length\n\n"
-            "Exact-match lattice, the trainer's vocabulary, π's per-token entropy 0.08 (the SFT "
-            "checkpoint's), the engine the marginal of the fresh logit noise; G = 4 "
-            "(`benchmarks/_long_study_exact.py`). Per estimator: cosine of the exact mean "
-            "gradient with ∇J / its progress along ∇J relative to exact ascent / signal-to-noise "
-            "ratio ‖E ĝ‖² / tr Cov ĝ.\n\n" + table)
-
-
-def phase_table(results: list[dict], size: dict) -> tuple[str, dict]:
-    """Markdown of the phase diagram: per (L, sigma), each estimator's mean Δ acc ± SE and
-    whether it collapsed; and the grid of mean Δ acc per estimator (for the figure)."""
-    lengths, sigmas = size["lengths"], size["sigmas"]
-    grid = {est: np.full((len(lengths), len(sigmas)), np.nan) for est in PHASE_ESTIMATORS}
-    lines = ["| L | sigma | " + " | ".join(f"{e} Δ acc" for e in PHASE_ESTIMATORS) +
-             " | TI-KL k3 (no IS) | collapsed (no IS) |",
-             "|---|---|" + "---|" * (len(PHASE_ESTIMATORS) + 2)]
-    for i, length in enumerate(lengths):
-        for j, s in enumerate(sigmas):
-            cells, kl, collapsed = [], "-", "-"
-            for est in PHASE_ESTIMATORS:
-                name = phase_cell({"length": length, "sigma": s, "estimator": est}, size)
-                rs = [r for r in results if r["name"] == name]
-                if not rs:
-                    cells.append("-")
-                    continue
-                m, _ = mean_se([r["gain"] for r in rs])
-                grid[est][i, j] = m
-                cells.append(_pm([r["gain"] for r in rs], "{:+.3f}"))
-                if est == "minirl_no_is":
-                    kl = _pm([r["kl_k3"] for r in rs], "{:.2e}")
-                    collapsed = "yes" if m < -COLLAPSE_DROP else "no"
-            lines.append(f"| {length} | {s:g} | " + " | ".join(cells) + f" | {kl} | {collapsed} |")
-    return "\n".join(lines) + "\n", grid
+    if not exact:
+        return ""
+    names = [k for k in next(iter(exact.values())) if isinstance(next(iter(exact.values()))[k],
+                                                                 dict)]
+    lines = ["", "## The exact world at the trainer's engines and lengths", "",
+             "Exact-match lattice, the trainer's vocabulary, π's per-token entropy 0.08 (the SFT "
+             "start's), G = 16; μ the lattice's engine copy in the row's mode with its dial set "
+             "so that the per-token KL is the trainer's (first quarter of its runs; "
+             "`_long_study_exact.engine_row`). Per estimator: cosine with ∇J / progress along ∇J "
+             "relative to exact ascent / SNR ‖E ĝ‖² / tr Cov ĝ (MC: Monte Carlo).", "",
+             "| L | mode | dial | KL target → KL | J(π) → J(μ) | " +
+             " | ".join(names) + " |", "|" + "---|" * (5 + len(names))]
+    for r in exact.values():
+        dial = (f"fraction {r['fraction']:.2e}" if r["mode"] == "heavy"
+                else f"scale {r['scale']:.3f}")
+        cells = [f"{r[e]['cosine']:.3f} / {r[e]['progress']:.2f} / {r[e]['snr']:.1e}"
+                 + ("" if r[e]["method"] == "lattice" else " (MC)") for e in names]
+        lines.append(f"| {r['L']} | {r['mode']} | {dial} | {r['kl_target']:.1e} → "
+                     f"{r['kl']:.1e} | {r['J_pi']:.3f} → {r['J_mu']:.3f} | " +
+                     " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_curves(out: Path, results: list[dict], curves: dict[str, list[dict]]) -> None:
@@ -163,9 +254,9 @@ def plot_curves(out: Path, results: list[dict], curves: dict[str, list[dict]]) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [g for g in dict.fromkeys(r["group"] for r in results) if g != "phase"]
-    fig, axes = plt.subplots(len(CURVES), len(groups), figsize=(4.2 * len(groups), 13),
-                             squeeze=False)
+    groups = list(dict.fromkeys(r["group"] for r in results))
+    fig, axes = plt.subplots(len(groups), len(CURVES), figsize=(4.2 * len(CURVES),
+                                                                2.6 * len(groups)), squeeze=False)
     for j, group in enumerate(groups):
         for name in dict.fromkeys(r["name"] for r in results if r["group"] == group):
             rs = [r for r in results if r["name"] == name]
@@ -180,37 +271,47 @@ def plot_curves(out: Path, results: list[dict], curves: dict[str, list[dict]]) -
                 y = np.mean([[v for _, v in p[:n]] for p in per_seed], axis=0)
                 if key != "eval_accuracy":
                     k = max(n // 10, 1)
-                    steps, y = steps[k - 1:], _smooth(y, k)
-                axes[i, j].plot(steps, y, marker="o" if key == "eval_accuracy" else None,
+                    y = np.convolve(y, np.ones(k) / k, mode="valid")
+                    steps = steps[k - 1:]
+                axes[j, i].plot(steps, y, marker="o" if key == "eval_accuracy" else None,
                                 label=rs[0]["label"])
-                axes[i, j].set_ylabel(label + (" (T = 1)" if group == ROOM_GROUP and i == 0
-                                               else ""))
-        axes[0, j].set_title(f"{group} (mean over seeds)")
-        axes[2, j].set_yscale("log")
-        axes[-1, j].set_xlabel("RL step")
-        axes[0, j].legend(fontsize=7)
+                axes[j, i].set_title(f"{group}: {label}", fontsize=8)
+        axes[j, 2].set_yscale("log")
+        axes[j, 0].legend(fontsize=6)
+    for i in range(len(CURVES)):
+        axes[-1, i].set_xlabel("RL step (mean over seeds)")
     fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=100)
+    fig.savefig(out / "curves.png", dpi=70)
     plt.close(fig)
 
 
-def plot_phase(out: Path, grid: dict, size: dict) -> None:
-    """``phase.png``: the phase diagram's mean Δ acc per estimator over σ x L."""
+def plot_summary(out: Path, results: list[dict]) -> None:
+    """``summary.png``: Δ held-out accuracy per row (mean ± SE over seeds, every seed a dot),
+    one panel per group."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(grid), figsize=(4.5 * len(grid), 3.8), squeeze=False)
-    for ax, (est, g) in zip(axes[0], grid.items()):
-        im = ax.imshow(g, origin="lower", cmap="RdBu", vmin=-0.5, vmax=0.5, aspect="auto")
-        ax.set_xticks(range(len(size["sigmas"])), [f"{s:g}" for s in size["sigmas"]])
-        ax.set_yticks(range(len(size["lengths"])), [str(n) for n in size["lengths"]])
-        for (i, j), v in np.ndenumerate(g):
-            if not np.isnan(v):
-                ax.text(j, i, f"{v:+.2f}", ha="center", va="center", fontsize=8)
-        ax.set(xlabel="logit-noise dial sigma", ylabel="response length L",
-               title=f"{est}: Δ held-out acc vs SFT")
-        fig.colorbar(im, ax=ax)
+    rows = _rows(results)
+    groups = list(dict.fromkeys(r["group"] for r in results))
+    cols = min(len(groups), 5)
+    rows_n = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3.4 * cols, 4.2 * rows_n), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, group in zip(axes.flat, groups):
+        names = [n for n, rs in rows.items() if rs[0]["group"] == group]
+        for x, name in enumerate(names):
+            gains = [r["gain"] for r in rows[name]]
+            m, se = mean_se(gains)
+            ax.errorbar([x], [m], yerr=[0 if math.isnan(se) else se], fmt="o", capsize=3)
+            ax.scatter(np.full(len(gains), x + 0.15), gains, s=6, color="grey")
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_xticks(range(len(names)), [rows[n][0]["label"] for n in names], rotation=60,
+                      ha="right", fontsize=7)
+        ax.set_title(group, fontsize=9)
+    for row in axes:
+        row[0].set_ylabel("Δ held-out accuracy (T = 1) vs start")
     fig.tight_layout()
-    fig.savefig(out / "phase.png", dpi=100)
+    fig.savefig(out / "summary.png", dpi=90)
     plt.close(fig)

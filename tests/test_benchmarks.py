@@ -129,9 +129,14 @@ def test_acceptance_quick(tmp_path):
 @pytest.mark.slow
 def test_long_study_quick(tmp_path):
     out = run_script("long_study.py", "--quick", "--out", str(tmp_path))
-    for name in ("results.md", "results.csv", "curves.png", "phase.png"):
+    for name in ("results.md", "results.csv", "curves.png", "summary.png", "outcomes.json"):
         assert (tmp_path / name).stat().st_size > 0
-    assert "Phase diagram" in out and "off-policy N=8" in out, out
+    for part in ("off-policy N=8", "Cold starts", "Learning-rate and clip sweep",
+                 "routing fp4", "minirl_seq_tis", "The exact world at the trainer's engines"):
+        assert part in out, (part, out)
+    # a second part's report reads both parts back
+    run_script("long_study.py", "--quick", "--out", str(tmp_path), "--report-only")
+    assert "Fisher p" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.slow
