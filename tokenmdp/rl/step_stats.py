@@ -28,7 +28,8 @@ __all__ = ["rollout_stats", "rollout_sums"]
 
 def rollout_sums(batch: TokenBatch, reward_S: torch.Tensor, correct: list[bool],
                  entropy_RC: torch.Tensor, *, groups: int, zero_std: float, all_zero: float,
-                 sequence: bool, extra: dict[str, float] | None = None) -> dict[str, float]:
+                 sequence: bool, length_S: torch.Tensor | None = None,
+                 extra: dict[str, float] | None = None) -> dict[str, float]:
     """This rank's sums of a rollout step.
 
     Parameters
@@ -49,6 +50,9 @@ def rollout_sums(batch: TokenBatch, reward_S: torch.Tensor, correct: list[bool],
         Groups whose rewards are all equal, and all zero.
     sequence : bool
         Whether the correction acts per sequence (its ESS and χ² per sequence too).
+    length_S : Tensor ``[S']``, optional
+        The response lengths of the same responses as ``reward_S`` (default: the batch's, when
+        every sampled response is in it).
     extra : dict of str to float, optional
         Further sums to reduce with these (e.g. the tree rollout's token counts).
 
@@ -63,7 +67,8 @@ def rollout_sums(batch: TokenBatch, reward_S: torch.Tensor, correct: list[bool],
     reward = reward_S.double()
     return dict(seqs=int(reward.numel()), reward=float(reward.sum()),
                 reward_sq=float((reward ** 2).sum()), correct=float(sum(correct)),
-                length=float(batch.length.double().sum()), tokens=tokens,
+                length=float((batch.length if length_S is None else length_S).double().sum()),
+                tokens=tokens,
                 entropy=float(entropy_RC[mask].double().sum()),
                 kl_k1=training_inference_kl(batch, kind="k1") * tokens,
                 kl_k3=training_inference_kl(batch, kind="k3") * tokens,

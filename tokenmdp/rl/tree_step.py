@@ -134,6 +134,7 @@ def tree_rollout_step(run) -> tuple:
     zero_std_P = high == low
     leaves_P = torch.tensor([len(t.leaves) for t in tree.trees], device=batch.device)
     batch = batch.replace(reward=reward_S)
+    length_S = batch.length                # every leaf's, like the rewards in the statistics
     if bool((leaves_P == 1).any()):      # a group of one leaf: nothing to compare it with
         batch = select_sequences(batch, torch.nonzero(leaves_P[group] > 1)[:, 0])
     batch = pack_first_fit_decreasing(batch, run.capacity)
@@ -143,7 +144,7 @@ def tree_rollout_step(run) -> tuple:
     sums = rollout_sums(batch, reward_S, correct, ent_RC, groups=n_groups,
                         zero_std=float(zero_std_P.sum()),
                         all_zero=float((zero_std_P & (high == 0)).sum()),
-                        sequence=run._sequence_correction(),
+                        sequence=run._sequence_correction(), length_S=length_S,
                         extra={"single": float((leaves_P == 1).sum()),
                                **{k: float(v) for k, v in tree.stats.items()}})
     g, stats = rollout_stats(sums, run.device)
