@@ -48,7 +48,7 @@ CONFIGS = {
     "cpu": dict(
         model=MODEL_CPU, device="cpu", precision="fp8", seeds=(0, 1, 2, 3, 4),
         collapse_seeds=tuple(range(10)), sweep_seeds=(0, 1, 2), workers=2,
-        length=64, lengths=(16, 128), onpolicy_arms=("heavy", "growing"),
+        length=64, lengths=(16, 128), onpolicy_arms=("heavy", "growing", "fixed"),
         lengths_arm="heavy", offpolicy_arm="fixed", routing_arm="fp4", routing_minibatches=4,
         coldstart_arm="heavy", coldstart_targets=(0.15, 0.3, 0.5),
         sweep=dict(minibatches=(2, 4), lr_clip=((3e-4, 1.0), (1e-4, 1.0), (3e-5, 1.0),

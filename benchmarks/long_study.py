@@ -19,7 +19,7 @@ Groups (``--groups``, in the order of priority in which they run):
 
 * ``onpolicy`` — ``minirl``, ``minirl_no_is`` (no training-inference IS), ``minirl_len_norm``
   (length normalization) and ``minirl_seq_tis`` (the sequence-level truncated weight) at
-  ``L = 64`` under the ``heavy`` and the ``growing`` engines, each beside the exact world's
+  ``L = 64`` under the ``heavy``, ``growing`` and ``fixed`` engines, each beside the exact world's
   prediction at its length and KL (``_long_study_exact.engine_row``);
 * ``sweep`` — off-policy MiniRL, N = 2 and 4 mini-batch updates per step, no replay, ``fixed``
   engine, over learning rate and gradient-norm clip (MiniRL's ratio clip stays its registry
