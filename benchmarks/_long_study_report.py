@@ -155,12 +155,16 @@ def comparisons(rows: dict[str, list[dict]]) -> list[tuple[str, str]]:
                           if n.startswith(("offpolicy_n", "routing_n"))}):
         add(f"{prefix}_r2", f"{prefix}_r3")
         add(f"{prefix}_none", f"{prefix}_r3")
-    cold = [n for n in names if n.startswith("coldstart_t")]
-    if cold:
-        best = max(cold, key=lambda n: rows[n][0]["target"])
-        for n in cold:
-            if n != best:
-                add(best, n)
+    for prefix in ("coldstart_t", "convergence_t"):
+        cold = [n for n in names if n.startswith(prefix)]
+        if cold:
+            best = max(cold, key=lambda n: rows[n][0]["target"])
+            for n in cold:
+                if n != best:
+                    add(best, n)
+    for name in names:   # the optimizer control: SGD MiniRL against SGD length normalization
+        if name.startswith("optimizer_sgd_minirl_len_norm"):
+            add("optimizer_sgd_minirl", name)
     return pairs
 
 
@@ -185,14 +189,21 @@ def sweep_table(rows: dict[str, list[dict]]) -> list[str]:
 
 
 def coldstart_table(rows: dict[str, list[dict]]) -> list[str]:
-    """The cold starts: per SFT start its steps and accuracy, the final accuracy, the collapse
-    count with Fisher's p against the best start, and the spread of the starts' means at the
-    start and at the end (do they converge?)."""
-    cold = {n: rs for n, rs in rows.items() if rs[0]["group"] == "cold start"}
-    if not cold:
-        return []
+    """The cold starts (each group of them: the main one and the longer ``convergence``
+    control): per SFT start its steps and accuracy, the final accuracy, the collapse count with
+    Fisher's p against the best start, and the spread of the starts' means at the start and at
+    the end (do they converge?)."""
+    lines = []
+    for group in dict.fromkeys(rs[0]["group"] for rs in rows.values()):
+        if group.startswith("cold start"):
+            lines += _coldstart_group(group, {n: rs for n, rs in rows.items()
+                                              if rs[0]["group"] == group})
+    return lines
+
+
+def _coldstart_group(group: str, cold: dict[str, list[dict]]) -> list[str]:
     best = max(cold, key=lambda n: cold[n][0]["target"])
-    lines = ["", "## Cold starts (one recipe, three SFT starts)", "",
+    lines = ["", f"## Cold starts (one recipe, three SFT starts): {group}", "",
              "| SFT target | SFT steps | start acc | final acc | Δ acc | best acc | collapsed | "
              "Fisher p vs best start |", "|---|---|---|---|---|---|---|---|"]
     for name, rs in cold.items():

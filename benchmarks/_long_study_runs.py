@@ -40,9 +40,19 @@ the routing they move (3.6e-3, with a χ² of 0.10: heavy-tailed), for the R2/R3
 
 ON_POLICY = ("minirl", "minirl_no_is", "minirl_len_norm", "minirl_seq_tis")
 MINIBATCHES = (2, 4, 8)
+SGD_LR = 5e-4
+"""Plain SGD's learning rate in the ``optimizer`` control: the largest of its sweep over MiniRL
+(40 steps, seeds 0–2) at which no seed collapsed (1e-3 collapsed two of three; docs,
+*Benchmarks* › *Long answers*)."""
 REPLAYS = ("none", "r2", "r3")
 GROUPS = ("onpolicy", "sweep", "offpolicy", "routing", "coldstart", "lengths")
 """The groups of runs, in the order of priority in which the study runs them (``--groups``)."""
+CONTROLS = ("optimizer", "convergence")
+"""Control groups, run only when named (``--groups optimizer convergence``): ``optimizer``,
+length normalization under plain SGD (no momentum, no clip: the update is lr × the gradient)
+beside MiniRL, at the same learning rate (the 1/|y| scale and the direction) and at it times
+the answer's tokens (the direction alone), after an SGD learning-rate sweep of MiniRL;
+``convergence``, the cold starts at four times the steps (do the starts end comparable?)."""
 
 CONFIGS = {
     "cpu": dict(
@@ -53,6 +63,9 @@ CONFIGS = {
         coldstart_arm="heavy", coldstart_targets=(0.15, 0.3, 0.5),
         sweep=dict(minibatches=(2, 4), lr_clip=((3e-4, 1.0), (1e-4, 1.0), (3e-5, 1.0),
                                                 (1e-4, 0.1))),
+        optimizer_control=dict(arm="heavy", lr=SGD_LR, steps=120,
+                               sweep_lrs=(3e-5, 1e-4, 3e-4, 5e-4, 1e-3, 3e-3, 1e-2), sweep_steps=40),
+        convergence=dict(steps=160, seeds=(0, 1, 2, 3, 4)),
         long=dict(length=128, steps=30, eval_size=50),
         sft=dict(prompts_per_step=32, lr=1e-3, warmup_steps=50, target=0.5, check=10,
                  max_steps=1500),
@@ -68,6 +81,9 @@ CONFIGS = {
         coldstart_targets=(0.15, 0.3, 0.5),
         sweep=dict(minibatches=(2, 4), lr_clip=((3e-4, 1.0), (1e-4, 1.0), (3e-5, 1.0),
                                                 (1e-4, 0.1))),
+        optimizer_control=dict(arm="heavy", lr=SGD_LR, steps=300, sweep_lrs=(1e-3, 3e-3, 1e-2),
+                               sweep_steps=100),
+        convergence=dict(steps=400, seeds=(0, 1, 2, 3, 4)),
         long=dict(length=128, steps=100, eval_size=256),
         sft=dict(prompts_per_step=128, lr=1e-3, warmup_steps=50, target=0.5, check=10,
                  max_steps=2000),
@@ -81,6 +97,8 @@ CONFIGS = {
         offpolicy_arm="fixed", routing_arm="fp4", routing_minibatches=2, coldstart_arm="heavy",
         coldstart_targets=(0.05, 0.3),
         sweep=dict(minibatches=(2,), lr_clip=((1e-4, 1.0),)),
+        optimizer_control=dict(arm="heavy", lr=SGD_LR, steps=2, sweep_lrs=(1e-3,), sweep_steps=2),
+        convergence=dict(steps=3, seeds=(0,)),
         long=dict(length=16, steps=2, eval_size=8),
         sft=dict(prompts_per_step=8, lr=1e-3, warmup_steps=2, target=0.3, check=4, max_steps=4),
         rl=dict(steps=2, prompts_per_step=4, group_size=2, lr=3e-4, eval_every=2, eval_size=8,
@@ -91,12 +109,13 @@ CONFIGS = {
 ``rl_recipe.py`` read it), RL seeds (``collapse_seeds`` where the claim is a collapse rate,
 ``sweep_seeds`` for the learning-rate and clip sweep), the main length and the other lengths
 (``long``: the longest, with fewer steps and a smaller evaluation), the arm of :data:`ARMS` per
-group, the cold-start group's SFT targets, the SFT stage (until ``target`` held-out accuracy at
-T = 1) and the RL stage shared by every run: ``rl`` (:data:`RECIPE`, G = 16: at the start's pass
-rate about 0.5 a group with no right answer has chance about 1e-4; ``rl_recipe.py`` runs ``rl``
-as it is) with the study's ``rl_study`` on top (evaluated at T = 1, where the start is about 0.5,
-so a run can gain or lose; ``lr`` and ``grad_clip`` the sweep's choice, docs: the sweep's table).
-The gpu configuration is sized by estimate, not measured."""
+group, the cold-start group's SFT targets, the controls' sizes (``optimizer_control``: engine, SGD
+rate, steps and the rates of its sweep; ``convergence``: steps and seeds), the SFT stage (until
+``target`` held-out accuracy at T = 1) and the RL stage shared by every run: ``rl``
+(:data:`RECIPE`, G = 16: at the start's pass rate about 0.5 a group with no right answer has chance
+about 1e-4; ``rl_recipe.py`` runs ``rl`` as it is) with the study's ``rl_study`` on top (evaluated
+at T = 1, where the start is about 0.5, so a run can gain or lose; ``lr`` and ``grad_clip`` the
+sweep's choice, docs: the sweep's table). The gpu configuration is sized by estimate, not measured."""
 
 
 def run_specs(args) -> list[dict]:
@@ -106,13 +125,14 @@ def run_specs(args) -> list[dict]:
     groups = args.groups or GROUPS
 
     def add(name, group, label, arm, estimator, n=1, replay="none", *, length=None, lr=None,
-            clip=None, target=None, seeds=None, steps=None, eval_size=None):
+            clip=None, target=None, seeds=None, steps=None, eval_size=None, optimizer="adamw"):
         specs.extend({"name": name, "group": group, "label": label, "seed": seed,
                       "length": length or size["length"], "arm": arm, "estimator": estimator,
                       "minibatches": n, "replay": replay, "lr": lr or rl["lr"],
-                      "grad_clip": clip or rl["grad_clip"],
+                      "grad_clip": rl["grad_clip"] if clip is None else clip,
                       "target": target or size["sft"]["target"], "steps": steps,
-                      "eval_size": eval_size} for seed in (seeds or args.seeds))
+                      "eval_size": eval_size, "optimizer": optimizer}
+                     for seed in (seeds or args.seeds))
 
     for group in groups:
         if group == "onpolicy":
@@ -147,8 +167,26 @@ def run_specs(args) -> list[dict]:
                 for est in ON_POLICY:
                     add(f"length{length}_{est}", f"on-policy L={length}", est,
                         size["lengths_arm"], est, length=length, **extra)
+        elif group == "optimizer":
+            oc, tokens = size["optimizer_control"], size["length"] + 1   # digits and EOS
+            for lr in oc["sweep_lrs"]:
+                add(f"optimizer_sweep_lr{lr:g}", "optimizer sweep", f"sgd minirl lr {lr:g}",
+                    oc["arm"], "minirl", lr=lr, clip=0.0, seeds=size["sweep_seeds"],
+                    steps=oc["sweep_steps"], optimizer="sgd")
+            for est, lr in (("minirl", oc["lr"]), ("minirl_len_norm", oc["lr"]),
+                            ("minirl_len_norm", oc["lr"] * tokens)):
+                scaled = "" if lr == oc["lr"] else f"_x{tokens}"
+                add(f"optimizer_sgd_{est}{scaled}", "optimizer: sgd", f"sgd {est} lr {lr:g}",
+                    oc["arm"], est, lr=lr, clip=0.0, steps=oc["steps"], optimizer="sgd")
+        elif group == "convergence":
+            conv = size["convergence"]
+            for target in size["coldstart_targets"]:
+                add(f"convergence_t{target:g}", f"cold start, {conv['steps']} steps",
+                    f"SFT to {target:g}", size["coldstart_arm"], "minirl", target=target,
+                    seeds=conv["seeds"], steps=conv["steps"])
         else:
-            raise SystemExit(f"--groups: unknown group {group!r} (one of {', '.join(GROUPS)})")
+            raise SystemExit(f"--groups: unknown group {group!r} (one of "
+                             f"{', '.join(GROUPS + CONTROLS)})")
     if args.only:
         unknown = set(args.only) - {s["name"] for s in specs}
         if unknown:
@@ -184,7 +222,9 @@ def arm_fields(arm: str) -> dict:
 def rl_config(args, spec: dict, init: str):
     """The training configuration of one run of :func:`run_specs`, from the SFT checkpoint."""
     rl = {**args.size["rl"], **args.size["rl_study"], "lr": spec["lr"],
-          "grad_clip": spec["grad_clip"]}
+          "grad_clip": spec["grad_clip"], "optimizer": spec.get("optimizer", "adamw")}
+    if rl["optimizer"] == "sgd":
+        rl["beta1"] = 0.0                 # plain SGD: no momentum
     for key in ("steps", "eval_size"):
         if spec.get(key):
             rl[key] = spec[key]

@@ -34,6 +34,16 @@ Groups (``--groups``, in the order of priority in which they run):
 * ``lengths`` — the four on-policy estimators at ``L = 16`` and ``L = 128`` (fewer steps and a
   smaller evaluation there; the configuration's ``long``), ``heavy`` engine.
 
+Two controls run only when named (``_long_study_runs.CONTROLS``):
+
+* ``optimizer`` — is AdamW what hides length normalization's cost? Plain SGD (no momentum, no
+  gradient clip: the update is lr × the gradient), ``heavy`` engine, 120 steps: MiniRL and
+  ``minirl_len_norm`` at the learning rate an SGD sweep of MiniRL picked (the 1/|y| scale and
+  the direction), and ``minirl_len_norm`` at that rate times the answer's L + 1 tokens (the
+  direction alone);
+* ``convergence`` — the cold starts at 160 steps (five seeds each): do the starts end
+  comparable?
+
 Per run: start, final and best held-out accuracy, train reward of the last quarter, training-
 inference KL (k3), routing mismatch, clip fraction, gradient norm, entropy, skipped updates,
 wall time; the first quarter's KL, token ESS and spread of the sequence log-weight. Per row: the
@@ -92,6 +102,7 @@ from _long_study_report import (  # noqa: E402
 from _long_study_runs import (  # noqa: E402
     ARMS,
     CONFIGS,
+    CONTROLS,
     GROUPS,
     engine_accuracy,
     rl_config,
@@ -114,8 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="RL seeds of every group (default: per config and group)")
     p.add_argument("--steps", type=int, default=None,
                    help="RL steps of every run (default: per config and group)")
-    p.add_argument("--groups", nargs="+", default=None, choices=GROUPS,
-                   help="run (or report) only these groups (default: all, in this order)")
+    p.add_argument("--groups", nargs="+", default=None, choices=GROUPS + CONTROLS,
+                   help="run (or report) only these groups (default: all but the controls "
+                        f"{', '.join(CONTROLS)}, in this order)")
     p.add_argument("--only", nargs="+", default=None,
                    help="run only these run names (e.g. onpolicy_heavy_minirl offpolicy_n4_r3)")
     p.add_argument("--no-exact", action="store_true",

@@ -137,6 +137,15 @@ def test_long_study_quick(tmp_path):
     # a second part's report reads both parts back
     run_script("long_study.py", "--quick", "--out", str(tmp_path), "--report-only")
     assert "Fisher p" in (tmp_path / "results.md").read_text()
+    # the controls run only when named: plain SGD, and the cold starts at more steps
+    out = run_script("long_study.py", "--quick", "--out", str(tmp_path), "--no-exact",
+                     "--groups", "optimizer", "convergence")
+    assert "Cold starts (one recipe, three SFT starts): cold start, 3 steps" in out, out
+    assert out.count("| sgd minirl_len_norm lr ") == 2, out   # at the rate and at it x (L + 1)
+    saved = json.loads((tmp_path / "summary.json").read_text())["configs"]
+    sgd = [c for k, c in saved.items() if k.startswith("optimizer_sgd")]
+    assert sgd and all((c["optimizer"], c["beta1"], c["grad_clip"]) == ("sgd", 0.0, 0.0)
+                       for c in sgd)
 
 
 @pytest.mark.slow

@@ -47,17 +47,21 @@ def _state(path):
     return torch.load(path, weights_only=True)
 
 
-@pytest.fixture(scope="module")
-def sft(tmp_path_factory):
-    """An SFT checkpoint on ``count`` (graded rewards: groups differ) and one on ``addition``
-    (a barely trained model: every reward 0), each with AdamW moments."""
-    out = tmp_path_factory.mktemp("sft")
+def make_sft(out, tasks=("count", "addition")) -> dict:
+    """An SFT checkpoint per task under ``out``, each with AdamW moments: task → its path."""
     paths = {}
-    for task in ("count", "addition"):
+    for task in tasks:
         train(TrainConfig(mode="sft", task=task, steps=SFT_STEPS, lr=1e-2, out_dir=str(out / task),
                           **TINY))
         paths[task] = str(out / task / "checkpoint.pt")
     return paths
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """An SFT checkpoint on ``count`` (graded rewards: groups differ) and one on ``addition``
+    (a barely trained model: every reward 0)."""
+    return make_sft(tmp_path_factory.mktemp("sft"))
 
 
 def _rl(sft, tmp_path, name, **changes):

@@ -17,6 +17,7 @@ import torch
 __all__ = ["TrainConfig", "check_config", "field_docs"]
 
 MODES = ("rl", "sft")
+OPTIMIZERS = ("adamw", "sgd")
 OPTIMIZER_STATES = ("reset", "carry")
 ZERO_VARIANCE_GROUPS = ("keep", "skip")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -89,14 +90,18 @@ class TrainConfig:
         Longest response the engine samples (L_max of the aggregation).
     temperature : float, default 1.0
         Sampling temperature of the rollout engine.
+    optimizer : str, default "adamw"
+        adamw (``torch.optim.AdamW``: an update of about lr per parameter, whatever the gradient's
+        scale) or sgd (``torch.optim.SGD``, momentum beta1, L2 weight decay: the update is lr
+        times the gradient, so a loss's scale is its step size; 0 grad_clip to keep it so).
     lr : float, default 1e-3
-        Peak learning rate of AdamW.
+        Peak learning rate.
     beta1 : float, default 0.9
-        AdamW beta1.
+        AdamW beta1 (SGD's momentum).
     beta2 : float, default 0.99
-        AdamW beta2.
+        AdamW beta2 (unused by SGD).
     weight_decay : float, default 0.0
-        AdamW decoupled weight decay.
+        Weight decay (decoupled in AdamW).
     grad_clip : float, default 1.0
         Clip the gradient norm to this value before each update (0 disables clipping).
     warmup_steps : int, default 0
@@ -104,9 +109,10 @@ class TrainConfig:
         warmup); counted from the run's step 0, so an RL run from an SFT checkpoint warms up
         again).
     optimizer_state : str, default "reset"
-        AdamW's state at the start of a run from ``init``: reset (a fresh AdamW, zero moments, as
-        verl and TRL start RL) or carry (the init checkpoint's moments and step counts, e.g.
-        SFT's; this run's lr, betas and weight decay). A resumed run continues its own state.
+        The optimizer's state at the start of a run from ``init``: reset (a fresh optimizer, zero
+        moments, as verl and TRL start RL) or carry (the init checkpoint's moments and step
+        counts, e.g. SFT's, of the same optimizer; this run's lr, betas and weight decay). A
+        resumed run continues its own state.
     zero_variance_groups : str, default "keep"
         RL groups whose rewards are all equal (all wrong, all right: zero advantage under a group
         baseline): keep (as TRL) or skip (as verl's filter_groups and DAPO's dynamic sampling,
@@ -189,6 +195,7 @@ class TrainConfig:
     prompts_per_step: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
+    optimizer: str = "adamw"
     lr: float = 1e-3
     beta1: float = 0.9
     beta2: float = 0.99
@@ -321,10 +328,13 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
     for name in ("weight_decay", "init_std"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
-    if cfg.mode not in MODES:
-        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {cfg.mode!r}")
-    if cfg.task not in TASKS:
-        raise ValueError(f"task: expected one of {', '.join(TASKS)}, got {cfg.task!r}")
+    for name, choices in (("mode", MODES), ("task", TASKS), ("optimizer", OPTIMIZERS),
+                          ("optimizer_state", OPTIMIZER_STATES),
+                          ("zero_variance_groups", ZERO_VARIANCE_GROUPS),
+                          ("rollout_precision", PRECISIONS), ("dtype", DTYPES)):
+        if getattr(cfg, name) not in choices:
+            raise ValueError(f"{name}: expected one of {', '.join(choices)}, got "
+                             f"{getattr(cfg, name)!r}")
     if cfg.mode == "rl" and cfg.estimator not in estimators.names(trees=None):
         raise ValueError(f"estimator: unknown {cfg.estimator!r}; known: "
                          f"{', '.join(estimators.names(trees=None))}")
@@ -333,24 +343,13 @@ def check_config(cfg: TrainConfig, *, world_size: int = 1) -> None:
     if cfg.replay != "none" and cfg.dense:
         raise ValueError(f"replay: {cfg.replay} replays MoE routing, but the model is dense "
                          "(--dense); use --replay none")
-    if cfg.optimizer_state not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer_state: expected one of {', '.join(OPTIMIZER_STATES)}, got "
-                         f"{cfg.optimizer_state!r}")
     if cfg.optimizer_state == "carry" and cfg.init is None:
         raise ValueError("optimizer_state: carry takes the optimizer state of the init "
                          "checkpoint; pass --init")
-    if cfg.zero_variance_groups not in ZERO_VARIANCE_GROUPS:
-        raise ValueError(f"zero_variance_groups: expected one of "
-                         f"{', '.join(ZERO_VARIANCE_GROUPS)}, got {cfg.zero_variance_groups!r}")
     if cfg.zero_variance_groups == "skip" and (cfg.mode != "rl" or cfg.group_size < 2):
         raise ValueError("zero_variance_groups: skip drops groups of equal rewards, which every "
                          "group is " + ("in sft (A = 1)" if cfg.mode != "rl" else
                                         "with group_size 1") + "; use keep")
-    if cfg.rollout_precision not in PRECISIONS:
-        raise ValueError(f"rollout_precision: expected one of {', '.join(PRECISIONS)}, got "
-                         f"{cfg.rollout_precision!r}")
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     try:
         device = torch.device(cfg.device)
     except RuntimeError as err:

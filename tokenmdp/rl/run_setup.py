@@ -6,7 +6,8 @@ by ``cfg.seed``; :func:`model_config` its :class:`~tokenmdp.model.ModelConfig`),
 :func:`build_engine` (its rollout engine: precision and engine mismatch mode),
 :func:`build_estimator` (the registry estimator with ``kl_coef`` applied, or
 :data:`SFT_ESTIMATOR` in SFT mode), :func:`load_init` (the ``init`` checkpoint, checked to
-hold a model of the configured shape) and :func:`carry_optimizer_state` (its AdamW moments, for
+hold a model of the configured shape), :func:`build_optimizer` (AdamW or SGD) and
+:func:`carry_optimizer_state` (the init checkpoint's optimizer moments, for
 ``optimizer_state="carry"``). The trainer's run state
 (:mod:`tokenmdp.rl.run_state`) builds itself from these; every name here is re-exported by
 :mod:`tokenmdp.rl.trainer`.
@@ -27,7 +28,7 @@ from tokenmdp.rl.config import DTYPES, TrainConfig
 from tokenmdp.rl.rollout import RolloutEngine
 from tokenmdp.rl.tasks import get_task
 
-__all__ = ["SFT_ESTIMATOR", "build_engine", "build_estimator", "build_model",
+__all__ = ["SFT_ESTIMATOR", "build_engine", "build_estimator", "build_model", "build_optimizer",
            "carry_optimizer_state", "load_init", "model_config"]
 
 SFT_ESTIMATOR = Estimator(name="sft", surrogate=Reinforce(), advantage=RewardAsAdvantage(),
@@ -150,11 +151,49 @@ def build_estimator(cfg: TrainConfig) -> Estimator:
     return est
 
 
+OPTIMIZER_STATE_KEYS = {torch.optim.AdamW: frozenset({"step", "exp_avg", "exp_avg_sq"}),
+                        torch.optim.SGD: frozenset({"momentum_buffer"})}
+"""The per-parameter state each optimizer of :func:`build_optimizer` keeps (what ``carry`` moves)."""
+
+
+def build_optimizer(cfg: TrainConfig, parameters) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg.optimizer`` over ``parameters``, at the peak learning rate.
+
+    ``adamw``: ``torch.optim.AdamW(lr, betas=(beta1, beta2), weight_decay)`` (decoupled decay;
+    Loshchilov & Hutter 2019). Adam divides each coordinate by its gradient's running RMS, so an
+    update is about ``lr`` per parameter whatever the loss's scale: a loss multiplied by a
+    constant trains the same (up to ``eps``). ``sgd``: ``torch.optim.SGD(lr, momentum=beta1,
+    weight_decay)`` (L2 decay, added to the gradient): the update is ``lr`` times the gradient
+    (with momentum, its running sum), so a loss's scale is its step size; with
+    ``grad_clip > 0`` a gradient above the clip is rescaled to it first.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        Its ``optimizer``, ``lr``, ``beta1``, ``beta2`` and ``weight_decay``.
+    parameters : iterable of torch.nn.Parameter
+        What it updates.
+
+    Returns
+    -------
+    torch.optim.Optimizer
+        A fresh optimizer (zero moments).
+    """
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=cfg.lr, momentum=cfg.beta1,
+                               weight_decay=cfg.weight_decay)
+    if cfg.optimizer != "adamw":
+        raise ValueError(f"optimizer: expected adamw or sgd, got {cfg.optimizer!r}")
+    return torch.optim.AdamW(parameters, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             weight_decay=cfg.weight_decay)
+
+
 def carry_optimizer_state(optimizer: torch.optim.Optimizer, init_state: dict, *,
                           path: str) -> None:
     """Put the per-parameter state of ``init_state``'s optimizer (AdamW's ``exp_avg``,
-    ``exp_avg_sq`` and ``step``, e.g. the SFT run's) into ``optimizer``, keeping ``optimizer``'s
-    own hyperparameters (lr, betas, weight decay): ``optimizer_state="carry"``.
+    ``exp_avg_sq`` and ``step``, SGD's ``momentum_buffer``; e.g. the SFT run's) into
+    ``optimizer``, keeping ``optimizer``'s own hyperparameters (lr, betas, weight decay):
+    ``optimizer_state="carry"``.
 
     Parameters
     ----------
@@ -168,15 +207,21 @@ def carry_optimizer_state(optimizer: torch.optim.Optimizer, init_state: dict, *,
     Raises
     ------
     ValueError
-        ``optimizer_state``: the checkpoint holds no optimizer state, or one whose parameters
-        (count or shapes) are not this model's.
+        ``optimizer_state``: the checkpoint holds no optimizer state, one of another optimizer
+        (its entries are not the ones ``optimizer`` keeps), or one whose parameters (count or
+        shapes) are not this model's.
     """
     saved = init_state.get("optimizer")
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         raise ValueError(f"optimizer_state: carry needs the optimizer state of the init "
                          f"checkpoint; {path} holds none (use reset)")
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    keys = OPTIMIZER_STATE_KEYS.get(type(optimizer))
     for index, entry in saved["state"].items():
+        if keys is not None and isinstance(entry, dict) and not set(entry) <= keys:
+            raise ValueError(f"optimizer_state: {path} holds {type(optimizer).__name__}-foreign "
+                             f"state {sorted(set(entry) - keys)} for parameter {index!r} (the "
+                             f"init was trained with another optimizer; use reset)")
         if not isinstance(index, int) or not 0 <= index < len(params):
             raise ValueError(f"optimizer_state: {path}: optimizer state for parameter {index!r}, "
                              f"this model has {len(params)}")

@@ -50,7 +50,14 @@ from tokenmdp.rl.mismatch import (
     RoutingReplay,
     compute_old_logprobs,
 )
-from tokenmdp.rl.run_setup import build_engine, build_estimator, build_model, carry_optimizer_state, load_init
+from tokenmdp.rl.run_setup import (
+    build_engine,
+    build_estimator,
+    build_model,
+    build_optimizer,
+    carry_optimizer_state,
+    load_init,
+)
 from tokenmdp.rl.step_stats import rollout_stats, rollout_sums
 from tokenmdp.rl.tasks import CharTokenizer, Task, get_task
 from tokenmdp.rl.update import (
@@ -115,10 +122,8 @@ class _Run:
         self.trained: torch.nn.Module = self.model
         if self.world > 1:  # experts are stacked parameters: every one is used in every pass
             self.trained = DistributedDataParallel(TrainingPass(self.model))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2),
-                                           weight_decay=cfg.weight_decay)
-        if cfg.init is not None and cfg.optimizer_state == "carry":  # else AdamW starts at zero
+        self.optimizer = build_optimizer(cfg, self.model.parameters())
+        if cfg.init is not None and cfg.optimizer_state == "carry":  # else it starts at zero
             carry_optimizer_state(self.optimizer, state, path=cfg.init)
         self.engine = build_engine(cfg, self.model)
         self.sample_gen = torch.Generator(device=self.device).manual_seed(cfg.seed + self.rank)
