@@ -121,7 +121,7 @@ def write_tables(out: Path, results: list[dict], header: str, exact: dict) -> st
                      f"{kb[0]}/{kb[1]} | {fisher_p(ka, kb):.3f} |")
     lines += sweep_table(rows) + coldstart_table(rows) + early_table(rows)
     text = "\n".join(lines) + "\n"
-    keys = (["name", "seed", "length", "arm", "estimator", "minibatches", "replay", "lr",
+    keys = (["name", "seed", "length", "arm", "estimator", "optimizer", "minibatches", "replay", "lr",
              "grad_clip", "target", "sft_acc", "gain", "steps", "final_acc", "final_se",
              "best_acc", "reward_last", "reward_drop", "kl_k1", "kl_k3", "routing_mismatch",
              "clip_fraction", "grad_norm", "grad_norm_max", "entropy_last", "skipped", "wall_s",

@@ -81,8 +81,8 @@ CONFIGS = {
         coldstart_targets=(0.15, 0.3, 0.5),
         sweep=dict(minibatches=(2, 4), lr_clip=((3e-4, 1.0), (1e-4, 1.0), (3e-5, 1.0),
                                                 (1e-4, 0.1))),
-        optimizer_control=dict(arm="heavy", lr=SGD_LR, steps=300, sweep_lrs=(1e-3, 3e-3, 1e-2),
-                               sweep_steps=100),
+        optimizer_control=dict(arm="heavy", lr=SGD_LR, steps=300,
+                               sweep_lrs=(1e-4, 3e-4, 5e-4, 1e-3, 3e-3), sweep_steps=100),
         convergence=dict(steps=400, seeds=(0, 1, 2, 3, 4)),
         long=dict(length=128, steps=100, eval_size=256),
         sft=dict(prompts_per_step=128, lr=1e-3, warmup_steps=50, target=0.5, check=10,
@@ -122,7 +122,7 @@ def run_specs(args) -> list[dict]:
     """Every run: its name, group, label, seed, length, arm, estimator, N, replay, learning rate,
     gradient clip, SFT target of its start, steps and evaluation size (None: the configuration's)."""
     size, rl, specs = args.size, {**args.size["rl"], **args.size["rl_study"]}, []
-    groups = args.groups or GROUPS
+    groups = args.groups or (GROUPS + CONTROLS if args.only else GROUPS)
 
     def add(name, group, label, arm, estimator, n=1, replay="none", *, length=None, lr=None,
             clip=None, target=None, seeds=None, steps=None, eval_size=None, optimizer="adamw"):

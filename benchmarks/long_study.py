@@ -133,7 +133,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-exact", action="store_true",
                    help="skip the exact world's prediction per on-policy row")
     p.add_argument("--report-only", action="store_true",
-                   help="no training: the report from the runs already in --out")
+                   help="no training: the report from the runs already in --out (every group "
+                        "with runs there, or those of --groups)")
     p.add_argument("--calibrate", type=int, default=None, metavar="PROMPTS",
                    help="no training: each engine's per-token KL(mu || pi_old) at the main SFT "
                         "start on PROMPTS held-out prompts (calibration.md)")
@@ -239,6 +240,10 @@ def main(argv=None) -> list[dict]:
                                   for s, o in zip(specs, outcomes)})
         saved_path.write_text(json.dumps(saved, indent=2))
     sft = saved["sft"]
+    # the report covers every run of the folder (the controls too), or the groups named with
+    # --report-only
+    specs = run_specs(argparse.Namespace(**{**vars(args), "only": None, "groups": (
+        args.groups if args.report_only and args.groups else GROUPS + CONTROLS)}))
     specs = [s for s in specs if f"{s['name']}_s{s['seed']}" in saved["outcomes"]]
     results, curves, starts = [], {}, {}
     for spec in specs:
@@ -267,7 +272,8 @@ def main(argv=None) -> list[dict]:
     header = (f"# Long-answer study ({'quick' if args.quick else args.config})\n\n"
               f"Task running_sum_L, model {size['model']} on {size['device']}, RL "
               f"{rl['prompts_per_step']} prompts x G = {rl['group_size']}, warm-up "
-              f"{rl['warmup_steps']} steps, AdamW {rl['optimizer_state']}, groups of equal "
+              f"{rl['warmup_steps']} steps, AdamW {rl['optimizer_state']} (plain SGD where the "
+              f"row says sgd), groups of equal "
               f"rewards {rl['zero_variance_groups']}, {rl['steps']} steps unless the row says, "
               f"held-out accuracy at T = {rl['eval_temperature']:g} every {rl['eval_every']} "
               f"steps. Engines: " + "; ".join(f"{k} {v}" for k, v in ARMS.items()) +

@@ -43,22 +43,28 @@ def _move(before: dict, after: dict) -> tuple[float, float]:
     return math.sqrt(sq), largest
 
 
-@pytest.mark.parametrize("estimator", ["minirl", "minirl_len_norm"])
-def test_an_sgd_step_is_lr_times_the_gradient_and_an_adamw_step_is_lr(sft, tmp_path, estimator):
+def test_sgd_steps_scale_with_the_loss_and_adamw_steps_do_not(sft, tmp_path):
+    """One step of MiniRL and of length-normalized MiniRL from the same start, under plain SGD
+    and under AdamW: SGD moves lr × |g| (so the length-normalized loss, whose gradient is about
+    1/|y| of MiniRL's, moves that much less), AdamW moves each coordinate by lr (both alike)."""
     start = _state(sft["count"])["model"]
     moves = {}
-    for opt in ("sgd", "adamw"):
-        cfg = dataclasses.replace(_rl(sft, tmp_path, f"{estimator}_{opt}", optimizer=opt,
-                                      grad_clip=0.0, lr=1e-3,
-                                      **({"beta1": 0.0} if opt == "sgd" else {})),
-                                  estimator=estimator)
-        row = train(cfg)[0]
-        moves[opt] = _move(start, _state(tmp_path / f"{estimator}_{opt}" / "checkpoint.pt")
-                           ["model"]) + (row["grad_norm"],)
-    length, _, norm = moves["sgd"]
-    assert norm > 0 and length == pytest.approx(1e-3 * norm, rel=SGD_RTOL)
-    _, largest, _ = moves["adamw"]
-    assert largest == pytest.approx(1e-3, rel=ADAM_RTOL)
+    for est in ("minirl", "minirl_len_norm"):
+        for opt in ("sgd", "adamw"):
+            cfg = dataclasses.replace(_rl(sft, tmp_path, f"{est}_{opt}", optimizer=opt,
+                                          grad_clip=0.0, lr=1e-3,
+                                          **({"beta1": 0.0} if opt == "sgd" else {})),
+                                      estimator=est)
+            norm = train(cfg)[0]["grad_norm"]
+            length, largest = _move(start, _state(tmp_path / f"{est}_{opt}" / "checkpoint.pt")
+                                    ["model"])
+            moves[est, opt] = (length, largest, norm)
+    for est in ("minirl", "minirl_len_norm"):
+        length, _, norm = moves[est, "sgd"]
+        assert norm > 0 and length == pytest.approx(1e-3 * norm, rel=SGD_RTOL)
+        assert moves[est, "adamw"][1] == pytest.approx(1e-3, rel=ADAM_RTOL)
+    ratio = moves["minirl_len_norm", "sgd"][0] / moves["minirl", "sgd"][0]
+    assert ratio < 0.5     # responses of up to 6 tokens: the 1/|y| scale shows under SGD
 
 
 def test_sgd_momentum_first_step_and_its_state(sft, tmp_path):
@@ -87,8 +93,30 @@ def test_carry_moves_sgd_momentum_and_refuses_another_optimizers_state(sft, tmp_
     assert all(torch.equal(state[i]["momentum_buffer"], saved[i]["momentum_buffer"])
                for i in state)
     adamw_init = _rl(sft, tmp_path, "carry_bad", optimizer="sgd", optimizer_state="carry")
-    with pytest.raises(ValueError, match=r"optimizer_state: .*another optimizer"):
+    with pytest.raises(ValueError, match=r"^optimizer_state: .* trained with adamw, this run "
+                                         r"uses sgd; carry needs the same optimizer"):
         trainer._Run(adamw_init)          # the SFT checkpoint holds AdamW's moments
+    plain_init = dataclasses.replace(adamw_init, optimizer="adamw", init=str(
+        _plain_sgd_sft(tmp_path)))
+    with pytest.raises(ValueError, match=r"trained with sgd, this run uses adamw"):
+        trainer._Run(plain_init)          # plain SGD keeps no state: refused by its config
+
+
+def _plain_sgd_sft(tmp_path):
+    out = tmp_path / "plain_sgd_sft"
+    train(TrainConfig(mode="sft", task="count", steps=1, lr=1e-2, optimizer="sgd", beta1=0.0,
+                      out_dir=str(out), **TINY))
+    assert _state(out / "checkpoint.pt")["optimizer"]["state"] == {}
+    return out / "checkpoint.pt"
+
+
+def test_resume_refuses_another_optimizer(sft, tmp_path):
+    cfg = _rl(sft, tmp_path, "resume", optimizer="sgd", steps=1)
+    train(cfg)
+    with pytest.raises(ValueError, match=r"^resume: .* trained with optimizer sgd, this run has "
+                                         r"adamw; resume with the same optimizer"):
+        train(dataclasses.replace(cfg, optimizer="adamw", steps=2, resume=True))
+    assert train(dataclasses.replace(cfg, steps=2, resume=True))[-1]["step"] == 1
 
 
 def test_build_optimizer_and_bad_names():

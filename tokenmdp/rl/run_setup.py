@@ -207,14 +207,19 @@ def carry_optimizer_state(optimizer: torch.optim.Optimizer, init_state: dict, *,
     Raises
     ------
     ValueError
-        ``optimizer_state``: the checkpoint holds no optimizer state, one of another optimizer
-        (its entries are not the ones ``optimizer`` keeps), or one whose parameters (count or
-        shapes) are not this model's.
+        ``optimizer_state``: the checkpoint holds no optimizer state, or one of another optimizer
+        (its configuration names another, or its entries are not the ones ``optimizer`` keeps),
+        or one whose parameters (count or shapes) are not this model's.
     """
     saved = init_state.get("optimizer")
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         raise ValueError(f"optimizer_state: carry needs the optimizer state of the init "
                          f"checkpoint; {path} holds none (use reset)")
+    kind = {torch.optim.AdamW: "adamw", torch.optim.SGD: "sgd"}.get(type(optimizer))
+    trained = (init_state.get("config") or {}).get("optimizer", "adamw")  # older: AdamW
+    if kind is not None and trained != kind:
+        raise ValueError(f"optimizer_state: {path} was trained with {trained}, this run uses "
+                         f"{kind}; carry needs the same optimizer (use reset)")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     keys = OPTIMIZER_STATE_KEYS.get(type(optimizer))
     for index, entry in saved["state"].items():

@@ -158,6 +158,10 @@ class _Run:
                              f"run has {self.world}; resume with the same number of ranks")
         # a setting an older checkpoint predates counts as its default
         defaults = dataclasses.asdict(TrainConfig())
+        saved = state["config"].get("optimizer", defaults["optimizer"])
+        if saved != self.cfg.optimizer:   # torch would load it, then fail at the first update
+            raise ValueError(f"resume: {path} was trained with optimizer {saved}, this run has "
+                             f"{self.cfg.optimizer}; resume with the same optimizer")
         changed = sorted(k for k, v in dataclasses.asdict(self.cfg).items()
                          if k not in _RESUMABLE and state["config"].get(k, defaults[k]) != v)
         if changed and self.rank == 0:

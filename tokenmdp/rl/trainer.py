@@ -25,9 +25,10 @@ mean NLL of the answer tokens.
 
 RL from an SFT checkpoint (``init``) need not start cold (the guide *An RL recipe that does not
 start cold*): ``warmup_steps`` warms the learning rate up in RL as in SFT, ``optimizer_state``
-resets AdamW's moments or carries the checkpoint's, and ``zero_variance_groups`` keeps or skips the
-groups whose rewards are all equal (zero advantage), whose fraction every step logs
-(``frac_reward_zero_std``); a step whose every group is skipped takes no optimizer update.
+resets the optimizer's moments or carries the checkpoint's (``optimizer``: AdamW or SGD), and
+``zero_variance_groups`` keeps or skips the groups whose rewards are all equal (zero advantage),
+whose fraction every step logs (``frac_reward_zero_std``); a step whose every group is skipped
+takes no optimizer update.
 
 An update with a non-finite loss or gradient is skipped with a logged warning; after
 ``max_nonfinite`` in a row the run stops (:class:`NonFiniteError`). So does a run whose weights
